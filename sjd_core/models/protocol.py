@@ -1,0 +1,109 @@
+"""The seam between the decoding core and a model family.
+
+The engine sees a model only through :class:`ImageTokenModel` and the :class:`DecodingSession`
+it starts. Everything family-specific (prompt templates, structural tokens such as row ends,
+classifier-free-guidance contexts, vocabulary offsets, the VQ decoder) lives behind it; the core
+does distributions, drafts, verification and bookkeeping.
+
+Slots and fed nodes
+-------------------
+An image is a grid of ``height x width`` code slots in raster order. Each engine iteration feeds
+a small set of *nodes* per batch row: node ``i`` holds a code (``codes[b, i]``) placed at slot
+``slots[b, i]``. Slot ``-1`` is the token just before the first code (the model's own
+begin-of-image token, or whatever its layout puts there): the adapter substitutes that token and
+ignores ``codes`` for it. The output for a node is the model's logits over the image codebook for
+the slot *after* the node's slot, given the committed prefix and the node's ancestors.
+
+``ancestors[i, j]`` is True when node ``i`` may attend to fed node ``j`` (its ancestors and itself);
+every node also sees the whole cached prefix. A plain window is a chain (lower triangular); a draft
+tree of proactive drafting is a real tree. The adapter inserts structural tokens (row ends, ...)
+after the code nodes whose slot ends a row, and returns the output of the last token it fed for
+each node, so the engine never sees them.
+
+After verification the engine calls ``keep(mask)``: the cache keeps the entries of the fed nodes
+where ``mask`` is True (per row; rows may keep different counts) and drops the rest of that
+forward, so the next forward continues from the committed prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A family's official sampling recipe, used when the user does not override it."""
+
+    guidance: float
+    temperature: float
+    top_k: int  # 0 = no top-k
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to draw: one prompt (or class name) per batch row, or one prompt for all rows."""
+
+    prompt: str
+    negative_prompt: str = ""
+    resolution: tuple[int, int] | None = None  # (width, height) in pixels; None = family default
+    batch_size: int = 1
+    guidance: float = 1.0  # 1.0 means no unconditional context is needed
+    extra: dict = field(default_factory=dict)  # family-specific options (documented per adapter)
+
+
+@runtime_checkable
+class DecodingSession(Protocol):
+    """A prefilled KV cache for ``batch_size`` images (and their unconditional contexts)."""
+
+    batch_size: int
+    grid_height: int
+    grid_width: int
+    guided: bool  # True when forward returns unconditional logits too
+
+    def forward(
+        self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``codes`` (B, T) at ``slots`` (B, T) with the (T, T) ``ancestors`` mask.
+
+        Returns conditional and unconditional (or None) logits, each (B, T, codebook_size),
+        in float32.
+        """
+        ...
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the cache entries of the fed nodes where ``mask`` (B, T) is True; drop the rest."""
+        ...
+
+
+@runtime_checkable
+class ImageTokenModel(Protocol):
+    """A loaded model family, ready to start decoding sessions and to decode code grids."""
+
+    family: str
+    codebook_size: int
+    device: torch.device
+    defaults: SamplingDefaults
+
+    def supported_resolutions(self) -> list[tuple[int, int]]:
+        """(width, height) pairs in pixels this model can draw; the first is the default."""
+        ...
+
+    def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
+        """(grid_height, grid_width) of code slots for a resolution; ValueError if unsupported."""
+        ...
+
+    def codebook_embeddings(self) -> torch.Tensor:
+        """(codebook_size, dim) float embeddings of the VQ codes, for relaxed acceptance."""
+        ...
+
+    def start(self, request: GenerationRequest) -> DecodingSession:
+        """Tokenise and prefill; the returned session is positioned before the first code."""
+        ...
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """(B, H, W) codes -> (B, height_px, width_px, 3) float images in [0, 1], channels-last."""
+        ...

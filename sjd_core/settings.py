@@ -1,0 +1,160 @@
+"""User-facing settings of the sampler, validated once, in one place.
+
+Every mode of the engine is a combination of these options: ``window=1`` is plain autoregression,
+``window>1`` is speculative Jacobi decoding, and AC, PD, VP and relaxed acceptance are switches on
+top of it. Presets name the combinations users ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+InitRule = Literal["uniform", "left"]
+RelaxedRule = Literal["none", "lantern", "gsd"]
+
+INIT_RULES: tuple[str, ...] = ("uniform", "left")
+RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
+PRESETS: tuple[str, ...] = ("ar", "sjd", "pac", "pac+vp")
+
+
+def _require(condition: bool, setting: str, value: object, allowed: str) -> None:
+    if not condition:
+        raise ValueError(f"{setting}={value!r} is not allowed: {setting} must be {allowed}.")
+
+
+def _finite(setting: str, value: float) -> None:
+    _require(isinstance(value, (int, float)) and math.isfinite(value), setting, value,
+             "a finite number (not NaN or infinity)")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How logits become the target distribution: CFG -> temperature -> top-k -> top-p.
+
+    ``top_k=0`` and ``top_p=1.0`` switch those filters off. Greedy decoding is ``top_k=1``.
+    ``guidance=1.0`` means no classifier-free guidance (the unconditional context is not run).
+    """
+
+    guidance: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("guidance", "temperature", "top_p"):
+            _finite(name, getattr(self, name))
+        _require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
+        _require(self.temperature > 0, "temperature", self.temperature,
+                 "> 0 (for greedy decoding set top_k=1)")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+                 "an integer >= 0 (0 = off, 1 = greedy)")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
+
+
+@dataclass(frozen=True)
+class AccelerationSettings:
+    """Which speculative decoding mode runs, as options of one loop.
+
+    window: slots that can be committed per forward pass; 1 is plain autoregression (AR).
+    init: how slots entering the window are first drafted: ``uniform`` random codes, or ``left``
+        (repeat the code to the left in the same row; the first column falls back to uniform).
+    adaptive_continuation (AC): after a rejection, couple each later draft to its new target
+        instead of re-drawing it, so good drafts survive. Lossless.
+    proactive_drafting (PD): draft ``pd_candidates`` (K) alternatives for each of the first
+        ``pd_depth - 1`` window slots as a tree (depth counts the root). Lossless.
+    verification_prediction (VP): draw drafts from a distribution biased towards codes whose
+        probability rose ``vp_rises`` (N) iterations in a row, among the ``vp_top_k`` most likely;
+        ``vp_decay`` weighs the running average of past distributions. Lossless.
+    relaxed: ``none`` (exact), ``lantern`` or ``gsd``. LOSSY: the output is no longer exactly the
+        model's distribution.
+    """
+
+    window: int = 16
+    init: InitRule = "uniform"
+    adaptive_continuation: bool = False
+    proactive_drafting: bool = False
+    pd_candidates: int = 4
+    pd_depth: int = 3
+    verification_prediction: bool = False
+    vp_rises: int = 3
+    vp_top_k: int = 50
+    vp_decay: float = 0.5
+    relaxed: RelaxedRule = "none"
+    lantern_neighbours: int = 1000
+    lantern_delta: float = 0.1
+    gsd_rank_radius: int = 7
+    gsd_prob_tolerance: float = 0.15
+    gsd_embedding_tolerance: float = 0.5
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
+                 "an integer >= 1 (1 = plain autoregression)")
+        _require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
+        _require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
+                 f"one of {RELAXED_RULES}")
+        _require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
+                 "pd_candidates", self.pd_candidates, "an integer >= 1")
+        _require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
+                 self.pd_depth, "an integer >= 1")
+        _require(isinstance(self.vp_rises, int) and self.vp_rises >= 1, "vp_rises",
+                 self.vp_rises, "an integer >= 1")
+        _require(isinstance(self.vp_top_k, int) and self.vp_top_k >= 1, "vp_top_k",
+                 self.vp_top_k, "an integer >= 1")
+        _finite("vp_decay", self.vp_decay)
+        _require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
+        _require(isinstance(self.lantern_neighbours, int) and self.lantern_neighbours >= 1,
+                 "lantern_neighbours", self.lantern_neighbours, "an integer >= 1")
+        for name in ("lantern_delta", "gsd_prob_tolerance", "gsd_embedding_tolerance"):
+            _finite(name, getattr(self, name))
+            _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        _require(self.lantern_delta <= 1, "lantern_delta", self.lantern_delta, "in [0, 1]")
+        _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
+                 "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
+        speculative = self.window > 1
+        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+            _require(not getattr(self, name) or speculative, name, getattr(self, name),
+                     "False when window=1 (plain autoregression has no drafts); raise window")
+        _require(self.relaxed == "none" or speculative, "relaxed", self.relaxed,
+                 "'none' when window=1 (plain autoregression has no drafts); raise window")
+        if self.proactive_drafting:
+            _require(self.pd_depth <= self.window, "pd_depth", self.pd_depth,
+                     f"<= window ({self.window}); the tree lives inside the window")
+            _require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
+                     ">= 2 with proactive drafting (depth counts the root)")
+
+    @property
+    def lossless(self) -> bool:
+        """True when the output follows the model's own distribution exactly."""
+        return self.relaxed == "none"
+
+    @property
+    def mode_name(self) -> str:
+        """A short human label such as ``SJD+AC+PD+VP+LANTERN`` (``AR`` for window 1)."""
+        if self.window == 1:
+            return "AR"
+        parts = ["SJD"]
+        parts += [tag for tag, on in (("AC", self.adaptive_continuation),
+                                      ("PD", self.proactive_drafting),
+                                      ("VP", self.verification_prediction)) if on]
+        if self.relaxed != "none":
+            parts.append(self.relaxed.upper())
+        return "+".join(parts)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> "AccelerationSettings":
+        """``ar``, ``sjd``, ``pac`` (SJD+AC+PD) or ``pac+vp``, with optional overrides."""
+        base = {
+            "ar": dict(window=1),
+            "sjd": dict(),
+            "pac": dict(adaptive_continuation=True, proactive_drafting=True),
+            "pac+vp": dict(adaptive_continuation=True, proactive_drafting=True,
+                           verification_prediction=True),
+        }
+        key = name.lower().replace(" ", "")
+        _require(key in base, "preset", name, f"one of {PRESETS}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        _require(not unknown, "override", unknown, f"names of AccelerationSettings fields {sorted(known)}")
+        return replace(cls(**base[key]), **overrides)
