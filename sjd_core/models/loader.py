@@ -1,0 +1,276 @@
+"""Find a checkpoint's family on disk, and load transformers weights the way users expect.
+
+``load_model(path)`` asks every registered family whether it recognises ``path`` and builds the
+first that does. Families register themselves with :func:`register_family` when their module is
+imported; the built-in adapter modules listed in ``_ADAPTER_MODULES`` are imported on first use.
+
+Loading rules shared by every transformers family (:func:`load_transformers_model`):
+
+* dtype: bfloat16 on CUDA, float32 on the CPU, unless the caller names one;
+* no second copy in memory: the model is built with empty (meta) parameters and each checkpoint
+  tensor is cast and assigned in place, one tensor at a time;
+* all checkpoint files are checked (present, complete) before anything is loaded, so a bad
+  checkpoint fails without leaving a half-loaded model behind;
+* ``device_map`` (``"auto"``, ``"balanced"``, or a dict of module name -> device, ``"cpu"`` or
+  ``"disk"``) hands placement and offloading to accelerate.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .protocol import ImageTokenModel
+
+__all__ = [
+    "Family", "register_family", "families", "load_model", "resolve_device_dtype",
+    "safetensors_files", "load_transformers_model", "input_device",
+]
+
+# Adapter modules that register a family when imported (absent ones are simply not offered).
+_ADAPTER_MODULES = (
+    "sjd_core.models.chameleon",
+    "sjd_core.models.emu3",
+    "sjd_core.models.janus",
+    "sjd_core.models.llamagen",
+    "sjd_core.models.reference",
+)
+
+DeviceMap = str | dict[str, str | int | torch.device] | None
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family the loader can build.
+
+    detect: path -> True when the folder (or file) holds this family's checkpoint.
+    build: (path, device=, dtype=, device_map=) -> the loaded model.
+    expects: what must be on disk, shown to users when no family matches.
+    """
+
+    name: str
+    detect: Callable[[Path], bool]
+    build: Callable[..., ImageTokenModel]
+    expects: str
+
+
+_FAMILIES: dict[str, Family] = {}
+_imported = False
+
+
+def register_family(name: str, detect: Callable[[Path], bool], build: Callable[..., ImageTokenModel],
+                    expects: str) -> None:
+    """Make a family loadable; registering the same name again replaces it."""
+    _FAMILIES[name] = Family(name, detect, build, expects)
+
+
+def _import_adapters() -> None:
+    global _imported
+    if _imported:
+        return
+    for module in _ADAPTER_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    _imported = True
+
+
+def families() -> list[Family]:
+    """Every registered family, in registration order."""
+    _import_adapters()
+    return list(_FAMILIES.values())
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, device_map: DeviceMap = None) -> ImageTokenModel:
+    """Detect the family of the checkpoint at ``path`` and load it.
+
+    device: where the whole model goes (default: CUDA when available, else the CPU); ignored when
+        ``device_map`` places the modules.
+    dtype: compute dtype (default bfloat16 on CUDA, float32 on the CPU).
+    device_map: accelerate placement for models larger than one device (see the module docstring).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
+    found = families()
+    for family in found:
+        if family.detect(p):
+            return family.build(p, device=device, dtype=dtype, device_map=device_map)
+    listing = "\n".join(f"  - {f.name}: {f.expects}" for f in found) or "  (no families registered)"
+    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
+                     f"what each expects on disk:\n{listing}")
+
+
+def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | None
+                         ) -> tuple[torch.device, torch.dtype]:
+    """Default device (CUDA if present) and dtype (bfloat16 on CUDA, float32 elsewhere)."""
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} is not allowed: use a floating torch dtype such as "
+                         "torch.bfloat16, torch.float16 or torch.float32.")
+    return dev, dtype
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files (via ``model.safetensors.index.json`` when sharded).
+
+    Checks that every file exists and is complete; raises before anything is loaded.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {err}") from err
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"No weights in {str(folder)!r}: expected model.safetensors, or shards listed in "
+            "model.safetensors.index.json (config.json alone is not a checkpoint).")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"Weight shard {f.name!r} listed in {index.name} is missing from "
+                                    f"{str(folder)!r}; download it again.")
+        try:
+            with safe_open(str(f), "pt") as handle:
+                handle.keys()
+        except SafetensorError as err:
+            raise ValueError(f"Weight file {str(f)!r} is damaged or truncated ({err}); download it again.") from err
+    return files
+
+
+def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+
+
+def _owner(name: str, device_map: dict) -> str | int | torch.device:
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in device_map:
+            return device_map[prefix]
+    raise ValueError(f"device_map does not place parameter {name!r}; give every module a device "
+                     "(a dict key '' places the whole model).")
+
+
+def _resolve_device_map(model: nn.Module, device_map: DeviceMap, dtype: torch.dtype) -> dict:
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    if isinstance(device_map, dict):
+        return dict(device_map)
+    allowed = ("auto", "balanced", "balanced_low_0", "sequential")
+    if device_map not in allowed:
+        raise ValueError(f"device_map={device_map!r} is not allowed: use one of {allowed} or a dict "
+                         "of module name -> device ('cuda:0', 'cpu', 'disk').")
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    max_memory = None
+    if device_map != "sequential":
+        max_memory = get_balanced_memory(model, dtype=dtype, no_split_module_classes=no_split,
+                                         low_zero=device_map == "balanced_low_0")
+    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
+
+
+def load_transformers_model(model_class: type, config, files: list[Path], device: torch.device,
+                            dtype: torch.dtype, device_map: DeviceMap = None,
+                            convert: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]] | None = None,
+                            keep_float32: tuple[str, ...] = ()) -> nn.Module:
+    """Build ``model_class(config)`` with empty weights and fill it from ``files``, tensor by tensor.
+
+    convert: optional (key, tensor) -> iterable of (key, tensor): renames, reshapes or drops
+        checkpoint tensors (e.g. Lumina-mGPT's per-shard q/k norms).
+    keep_float32: name fragments of parameters that stay float32 whatever ``dtype`` is.
+    Missing or unexpected tensors raise ``ValueError`` naming them.
+    """
+    from accelerate import dispatch_model, init_empty_weights
+    from accelerate.utils import offload_weight, save_offload_index, set_module_tensor_to_device
+
+    config._attn_implementation = "sdpa"
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config)
+    model.eval()
+    placement = None if device_map is None else _resolve_device_map(model, device_map, dtype)
+    offload_dir, offload_index = None, {}
+    expected = dict(model.named_parameters())
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    stream = _tensors(files)
+    for key, value in stream:
+        for name, tensor in (convert(key, value) if convert else ((key, value),)):
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                                 f"expects {tuple(expected[name].shape)}: the config does not match the weights.")
+            target = dtype if (tensor.is_floating_point() and not any(k in name for k in keep_float32)) else None
+            where = device if placement is None else _owner(name, placement)
+            if where == "disk":
+                if offload_dir is None:
+                    offload_dir = tempfile.mkdtemp(prefix="sjd-offload-")
+                offload_weight(tensor.to(target) if target else tensor, name, offload_dir, offload_index)
+            else:
+                set_module_tensor_to_device(model, name, where, value=tensor, dtype=target)
+            seen.add(name)
+    if unexpected:
+        raise ValueError(f"The checkpoint holds tensors this model does not have: {sorted(unexpected)[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); is this the right family?")
+    missing = sorted(set(expected) - seen - _tied(model))
+    if missing:
+        raise ValueError(f"The checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:8]}; "
+                         "the download is incomplete or the config belongs to another model.")
+    model.tie_weights()
+    if placement is None:
+        model.to(device)  # buffers created at build time
+    else:
+        if offload_dir is not None:
+            save_offload_index(offload_index, offload_dir)
+            weakref.finalize(model, _remove_tree, offload_dir)
+        dispatch_model(model, placement, offload_dir=offload_dir)
+    return model
+
+
+def _tied(model: nn.Module) -> set[str]:
+    """Parameters filled by weight tying rather than by the checkpoint."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) is False:
+        return set()
+    return set(tied if isinstance(tied, (list, set)) else tied.keys())
+
+
+def _remove_tree(folder: str) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where inputs go: the device of the first module (``hf_device_map``), else of the weights."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        first = next(iter(device_map.values()))
+        if first in ("cpu", "disk"):
+            return torch.device("cpu")
+        return torch.device(first if not isinstance(first, int) else f"cuda:{first}")
+    return next(model.parameters()).device
