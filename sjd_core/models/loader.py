@@ -213,6 +213,9 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
     placement = None if device_map is None else _resolve_device_map(model, device_map, dtype)
     offload_dir, offload_index = None, {}
     expected = dict(model.named_parameters())
+    # persistent buffers (e.g. BatchNorm running statistics in Emu3's VQ) load like parameters
+    buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in expected}
+    expected.update(buffers)
     seen: set[str] = set()
     unexpected: list[str] = []
     stream = _tensors(files)
@@ -236,7 +239,7 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
     if unexpected:
         raise ValueError(f"The checkpoint holds tensors this model does not have: {sorted(unexpected)[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); is this the right family?")
-    missing = sorted(set(expected) - seen - _tied(model))
+    missing = sorted(set(expected) - seen - _tied(model) - set(buffers))
     if missing:
         raise ValueError(f"The checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:8]}; "
                          "the download is incomplete or the config belongs to another model.")
