@@ -257,7 +257,8 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
 def _tied(model: nn.Module) -> set[str]:
     """Parameters filled by weight tying rather than by the checkpoint."""
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False) is False:
+    configs = (model.config, model.config.get_text_config())  # Janus sets it on the top config
+    if not any(getattr(c, "tie_word_embeddings", False) for c in configs):
         return set()
     return set(tied if isinstance(tied, (list, set)) else tied.keys())
 
