@@ -38,13 +38,9 @@ __all__ = [
 ]
 
 # Adapter modules that register a family when imported (absent ones are simply not offered).
-_ADAPTER_MODULES = (
-    "sjd_core.models.chameleon",
-    "sjd_core.models.emu3",
-    "sjd_core.models.janus",
-    "sjd_core.models.llamagen",
-    "sjd_core.models.reference",
-)
+# Relative to this package: inside ComfyUI the pack is imported under its folder's name, so
+# ``sjd_core`` is not a top-level package there.
+_ADAPTER_MODULES = (".chameleon", ".emu3", ".janus", ".llamagen", ".reference")
 
 DeviceMap = str | dict[str, str | int | torch.device] | None
 
@@ -79,8 +75,8 @@ def _import_adapters() -> None:
     if _imported:
         return
     for module in _ADAPTER_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+        if importlib.util.find_spec(module, __package__) is not None:
+            importlib.import_module(module, __package__)
     _imported = True
 
 
