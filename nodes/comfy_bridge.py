@@ -1,0 +1,144 @@
+"""Everything the nodes need from ComfyUI, in one place, imported lazily.
+
+Inside ComfyUI these helpers use its model management, progress bar, interrupt flag, websocket
+server and model folders. Outside it (node-level tests, scripts) they fall back to plain torch
+behaviour: CPU or the first CUDA device, no progress bar, no messages, no interrupt flag, and only
+the folders given in ``SJD_MODELS_DIR``. Nothing here imports ComfyUI at module import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from types import ModuleType
+from typing import Any
+
+import torch
+
+MODELS_FOLDER = "sjd"  # the name users write in extra_model_paths.yaml
+
+
+def _comfy(module: str) -> ModuleType | None:
+    """``module`` from ComfyUI, or None when this Python is not running inside ComfyUI."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def in_comfyui() -> bool:
+    """True when ComfyUI's model management is importable (the pack runs inside ComfyUI)."""
+    return _comfy("comfy.model_management") is not None
+
+
+def register_models_folder() -> None:
+    """Register ``models/sjd`` with ComfyUI so that extra_model_paths.yaml can add more folders."""
+    folder_paths = _comfy("folder_paths")
+    if folder_paths is None:
+        return
+    default = os.path.join(folder_paths.models_dir, MODELS_FOLDER)
+    if default not in folder_paths.folder_names_and_paths.get(MODELS_FOLDER, ([], None))[0]:
+        folder_paths.add_model_folder_path(MODELS_FOLDER, default)
+
+
+def models_folders() -> list[str]:
+    """Every folder where users may put checkpoints, existing or not, in search order."""
+    folders: list[str] = []
+    folder_paths = _comfy("folder_paths")
+    if folder_paths is not None:
+        register_models_folder()
+        folders += folder_paths.get_folder_paths(MODELS_FOLDER)
+    folders += [p for p in os.environ.get("SJD_MODELS_DIR", "").split(os.pathsep) if p]
+    return list(dict.fromkeys(folders))
+
+
+def torch_device() -> torch.device:
+    """ComfyUI's compute device (honours --cpu); outside ComfyUI, CUDA if present, else CPU."""
+    mm = _comfy("comfy.model_management")
+    if mm is not None:
+        return mm.get_torch_device()
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def offload_device() -> torch.device:
+    """Where ComfyUI parks models it is not running right now."""
+    mm = _comfy("comfy.model_management")
+    return mm.unet_offload_device() if mm is not None else torch.device("cpu")
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the device runs it well, else fp16 where that works, else fp32 (ComfyUI's rule)."""
+    mm = _comfy("comfy.model_management")
+    if mm is not None:
+        if mm.should_use_bf16(device):
+            return torch.bfloat16
+        if mm.should_use_fp16(device):
+            return torch.float16
+        return torch.float32
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def wrap_for_memory_manager(module: torch.nn.Module, device: torch.device) -> Any:
+    """A ``ModelPatcher`` around ``module`` so ComfyUI can offload and unload it; None outside."""
+    patcher = _comfy("comfy.model_patcher")
+    if patcher is None:
+        return None
+    return patcher.ModelPatcher(module, load_device=device, offload_device=offload_device())
+
+
+def load_to_device(patcher: Any) -> None:
+    """Ask ComfyUI to put the model on its device, offloading others if memory is short."""
+    mm = _comfy("comfy.model_management")
+    if mm is not None and patcher is not None:
+        mm.load_models_gpu([patcher])
+
+
+def check_interrupted() -> None:
+    """Raise ComfyUI's interrupt exception when the user pressed Cancel."""
+    mm = _comfy("comfy.model_management")
+    if mm is not None:
+        mm.throw_exception_if_processing_interrupted()
+
+
+class Progress:
+    """ComfyUI's progress bar (with previews) when running inside ComfyUI; silent outside."""
+
+    def __init__(self, total: int) -> None:
+        utils = _comfy("comfy.utils")
+        self._bar = utils.ProgressBar(total) if utils is not None else None
+        self.total = total
+
+    def update(self, done: int, preview: Any = None) -> None:
+        """Set the bar to ``done``; ``preview`` is a PIL image shown on the node, or None."""
+        if self._bar is not None:
+            self._bar.update_absolute(done, self.total,
+                                      ("JPEG", preview, 512) if preview is not None else None)
+
+
+def send(event: str, payload: dict) -> None:
+    """Send a websocket message to the browser (``api.addEventListener(event, ...)``)."""
+    server = _comfy("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None:
+        instance.send_sync(event, payload)
+
+
+def save_previews(images: list[Any], prefix: str) -> list[dict]:
+    """Write PIL images to ComfyUI's temp folder; returns the ``{"ui": {"images": ...}}`` entries.
+
+    Outside ComfyUI there is nowhere to show them, so nothing is written.
+    """
+    folder_paths = _comfy("folder_paths")
+    if folder_paths is None:
+        return []
+    folder = folder_paths.get_temp_directory()
+    os.makedirs(folder, exist_ok=True)
+    entries = []
+    for image in images:
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}.png"
+        image.save(os.path.join(folder, name), compress_level=1)
+        entries.append({"filename": name, "subfolder": "", "type": "temp"})
+    return entries

@@ -1,0 +1,161 @@
+"""SJD Diagnostics: where and how fast drafts were accepted, as heatmaps, a histogram and a summary."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from ..sjd_core.heatmap import heatmap
+from . import comfy_bridge
+from .handles import TRACE_TYPE, SamplerTrace
+from .sampler import summary_line
+
+NODE = "SJD Diagnostics"
+MAPS = (("commit_iteration", "commit iteration"),
+        ("iterations_in_window", "iterations in window"),
+        ("acceptance_probability", "acceptance probability"))
+MIN_SIDE = 256  # heatmaps without an image are drawn at least this many pixels wide
+
+
+class SJDDiagnostics:
+    """Shows how a sampler run went: per-slot heatmaps, accepted lengths and a summary."""
+
+    DESCRIPTION = ("Heatmaps of a sampler run: the step at which each code was committed (one "
+                   "colour = one forward pass), how many steps each code waited in the window, and "
+                   "the acceptance probability of the committed guess; the histogram of codes "
+                   "accepted per step; and a summary with NFE, step compression and speed-up.")
+    CATEGORY = "sampling/SJD"
+    FUNCTION = "diagnose"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("IMAGE", "IMAGE", "IMAGE", "IMAGE", "STRING")
+    RETURN_NAMES = ("commit_iteration", "iterations_in_window", "acceptance_probability",
+                    "accepted_lengths", "summary")
+    OUTPUT_TOOLTIPS = (
+        "Step at which each code was committed (dark = early); same colour = same forward pass.",
+        "How many steps each code spent in the window before it was committed.",
+        "Probability that the committed guess passed its test (grey: no guess was tested, as "
+        "in AR).",
+        "Histogram of codes accepted per step.",
+        "NFE, step compression, speed-up and mode, as text.",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        return {
+            "required": {
+                "trace": (TRACE_TYPE, {"tooltip": "The 'trace' output of an SJD Sampler."}),
+                "blend": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.05,
+                                    "tooltip": "How strongly the heatmaps cover the image when "
+                                               "an image is connected (1 = heatmap only)."}),
+            },
+            "optional": {
+                "image": ("IMAGE", {"tooltip": "The decoded images of the same run, to draw the "
+                                               "heatmaps over."}),
+                "baseline_trace": (TRACE_TYPE, {
+                    "tooltip": "The trace of an AR run with the same model, prompt, resolution, "
+                               "batch and seed: gives the measured speed-up."}),
+            },
+        }
+
+    def diagnose(self, trace: SamplerTrace, blend: float, image: torch.Tensor | None = None,
+                 baseline_trace: SamplerTrace | None = None) -> dict:
+        """Heatmaps (blended over ``image`` if given), histogram and summary of one run."""
+        if not 0.0 <= blend <= 1.0:
+            raise ValueError(f"{NODE}: blend={blend!r} is not allowed: it must lie in [0, 1].")
+        maps = trace.trace.slot_maps()
+        batch, height, width = maps["commit_iteration"].shape
+        if image is not None:
+            _check_image(image, batch, height, width, trace)
+        summary = trace.trace.summary()
+        text = describe(summary, trace, baseline_trace)
+        pictures = [_draw_map(maps[key], image, blend) for key, _ in MAPS]
+        histogram = _histogram(summary["accepted_length_histogram"], summary["mode"])
+        tensors = [torch.from_numpy(p) for p in pictures]
+        tensors.append(torch.from_numpy(np.asarray(histogram, dtype=np.float32)[None] / 255.0))
+        previews = [Image.fromarray((p[0] * 255 + 0.5).astype(np.uint8)) for p in pictures]
+        ui_images = comfy_bridge.save_previews(previews + [histogram], "sjd_diagnostics")
+        return {"ui": {"images": ui_images, "sjd_text": [text]}, "result": (*tensors, text)}
+
+
+def _check_image(image: torch.Tensor, batch: int, height: int, width: int,
+                 trace: SamplerTrace) -> None:
+    """The image must be the run's own decoded batch: same count, same grid aspect."""
+    if image.ndim != 4 or image.shape[-1] not in (3, 4):
+        raise ValueError(f"{NODE}: image of shape {tuple(image.shape)} is not an IMAGE batch "
+                         "(batch, height, width, channels).")
+    count, pixel_h, pixel_w = image.shape[:3]
+    if count != batch or pixel_h * width != pixel_w * height:
+        raise ValueError(
+            f"{NODE}: image ({count} image(s) of {pixel_w}x{pixel_h} px) does not belong to this "
+            f"trace ({batch} image(s) of {width}x{height} codes, {trace.run.describe()}). Connect "
+            "the IMAGE that SJD Decode made from the codes of the same SJD Sampler.")
+
+
+def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float) -> np.ndarray:
+    """(B, H, W) slot values -> (B, h, w, 3) float RGB, over the image (scaled up) when given."""
+    batch, height, width = values.shape
+    if image is None:
+        return heatmap(values, cell=max(1, -(-MIN_SIDE // max(height, width))))
+    pixel_h, pixel_w = image.shape[1:3]
+    scale = max(1, -(-MIN_SIDE // max(pixel_h, pixel_w)))  # small images are shown enlarged
+    size = (pixel_w * scale, pixel_h * scale)
+    rgb = heatmap(values, cell=max(1, -(-size[1] // height)))
+    base = image[..., :3].float().clamp(0, 1).cpu().numpy()
+    return np.stack([(blend * _resized(m, size) + (1.0 - blend) * _resized(b, size))
+                     for m, b in zip(rgb, base)]).astype(np.float32)
+
+
+def _resized(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(h, w, 3) floats in [0, 1] -> (size[1], size[0], 3), nearest neighbour (slots stay sharp)."""
+    if rgb.shape[1::-1] == size:
+        return rgb
+    picture = Image.fromarray((rgb * 255 + 0.5).astype(np.uint8)).resize(size, Image.NEAREST)
+    return np.asarray(picture, np.float32) / 255.0
+
+
+def _histogram(counts: list[int], mode: str, size: tuple[int, int] = (384, 256)) -> Image.Image:
+    """A bar chart of how many steps accepted 1, 2, ... codes."""
+    canvas = Image.new("RGB", size, (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    left, bottom, top = 30, size[1] - 22, 22
+    draw.text((left, 4), f"codes accepted per step ({mode})", fill=(0, 0, 0))
+    peak = max(counts) if counts and max(counts) > 0 else 1
+    bar = (size[0] - left - 10) / max(len(counts), 1)
+    for index, count in enumerate(counts):
+        x0 = left + index * bar
+        y0 = bottom - (bottom - top) * count / peak
+        draw.rectangle([x0 + 1, y0, x0 + max(bar - 2, 1), bottom], fill=(33, 145, 140))
+        if len(counts) <= 32 or (index + 1) % 4 == 0:
+            draw.text((x0 + bar / 2 - 3, bottom + 4), str(index + 1), fill=(0, 0, 0))
+    draw.text((2, top), str(peak), fill=(0, 0, 0))
+    draw.line([left, bottom, size[0] - 10, bottom], fill=(0, 0, 0))
+    return canvas
+
+
+def describe(summary: dict, trace: SamplerTrace, baseline: SamplerTrace | None) -> str:
+    """The summary text; with a baseline from the same request, the measured speed-up too."""
+    lines = [summary_line(summary),
+             f"NFE {summary['nfe']:.1f} for {summary['slots_per_image']} codes per image, "
+             f"step compression {summary['step_compression']:.2f}x",
+             f"forward {summary['forward_seconds']:.2f} s, drafting/verifying "
+             f"{summary['other_seconds']:.2f} s ({summary['other_share']:.0%})"]
+    if baseline is None:
+        lines.append(f"speed-up over AR: at most {summary['step_compression']:.2f}x (step "
+                     "compression); connect an AR run's trace as baseline_trace to measure it")
+    else:
+        if baseline.run.request_key != trace.run.request_key:
+            raise ValueError(
+                f"{NODE}: baseline_trace comes from another request ({baseline.run.describe()}) "
+                f"than trace ({trace.run.describe()}). Connect the trace of a run with the same "
+                "model, prompt, negative prompt, resolution, batch and seed, or disconnect "
+                "baseline_trace.")
+        if baseline.run.run_id == trace.run.run_id:
+            raise ValueError(f"{NODE}: baseline_trace and trace are the same run; connect the "
+                             "trace of a second sampler (mode AR) as baseline_trace.")
+        base = baseline.trace.summary()
+        lines.append(f"speed-up over {base['mode']}: {base['total_seconds'] / max(summary['total_seconds'], 1e-9):.2f}x "
+                     f"measured ({base['total_seconds']:.2f} s -> {summary['total_seconds']:.2f} s), "
+                     f"{base['nfe'] / max(summary['nfe'], 1e-9):.2f}x fewer forward passes")
+    lines.append(f"mode {summary['mode']}, {'lossless' if summary['lossless'] else 'LOSSY'}")
+    return "\n".join(lines)
