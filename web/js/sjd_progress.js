@@ -1,0 +1,197 @@
+// Live chart of codes accepted per step on the SJD Sampler node, and the run summary on both the
+// sampler and the diagnostics node. Fed by the sampler's "sjd.progress" / "sjd.done" messages.
+// Drawn in DOM widgets, so it shows in the classic canvas and in the Vue-nodes mode alike.
+import { app } from "../../../scripts/app.js";
+import { api } from "../../../scripts/api.js";
+
+const SAMPLER = "SJDSampler";
+const DIAGNOSTICS = "SJDDiagnostics";
+const CHART_HEIGHT = 120;
+
+// Node ids arrive as strings: "5" in the root graph, "5:3" for node 3 inside subgraph node 5.
+function findNode(id) {
+  if (id === null || id === undefined) return null;
+  const path = String(id).split(":");
+  let graph = app.graph;
+  let node = null;
+  for (const part of path) {
+    node = graph?.getNodeById?.(Number(part)) ?? graph?.getNodeById?.(part) ?? null;
+    if (!node) return null;
+    graph = node.subgraph ?? graph;
+  }
+  return node;
+}
+
+function makeBox(node, name, minHeight) {
+  const box = document.createElement("div");
+  box.style.cssText =
+    "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;" +
+    "font:11px monospace;color:var(--input-text,#ddd);";
+  node.addDOMWidget(name, "sjd-" + name, box, {
+    serialize: false,
+    getMinHeight: () => minHeight,
+    getHeight: () => minHeight,
+  });
+  return box;
+}
+
+class SamplerChart {
+  constructor(node) {
+    this.node = node;
+    this.box = makeBox(node, "sjd_chart", CHART_HEIGHT + 36);
+    this.canvas = document.createElement("canvas");
+    this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;`;
+    this.status = document.createElement("div");
+    this.status.style.cssText = "white-space:pre-wrap;overflow:hidden;";
+    this.box.append(this.canvas, this.status);
+    this.reset();
+    const last = node.properties?.sjd_last;
+    if (last) this.restore(last, "last run");
+    new ResizeObserver(() => this.draw()).observe(this.canvas);
+  }
+
+  reset() {
+    this.accepted = [];
+    this.committed = 0;
+    this.total = 0;
+    this.text = "";
+  }
+
+  start() {
+    this.reset();
+    this.setStatus("running...");
+  }
+
+  progress(detail) {
+    const active = detail.accepted.filter((a) => a > 0);
+    this.accepted.push(active.length ? active.reduce((a, b) => a + b, 0) / active.length : 0);
+    this.committed = detail.committed.reduce((a, b) => a + b, 0);
+    this.total = detail.total * detail.committed.length;
+    const mean = this.accepted.reduce((a, b) => a + b, 0) / this.accepted.length;
+    this.setStatus(
+      `${detail.mode}: step ${detail.iteration + 1}, ${this.committed}/${this.total} codes, ` +
+        `mean ${mean.toFixed(2)} per step`
+    );
+  }
+
+  finish(text, accepted) {
+    if (accepted?.length) this.accepted = accepted.slice();
+    this.text = text;
+    this.node.properties = this.node.properties ?? {};
+    this.node.properties.sjd_last = { text, accepted: this.accepted };
+    this.setStatus(text);
+  }
+
+  restore(last, label) {
+    this.accepted = (last.accepted ?? []).slice();
+    this.setStatus(`${label}: ${last.text ?? ""}`);
+  }
+
+  setStatus(text) {
+    this.status.textContent = text;
+    this.draw();
+    this.node.setDirtyCanvas?.(true, true);
+  }
+
+  draw() {
+    const canvas = this.canvas;
+    const width = Math.max(canvas.clientWidth, 50);
+    const height = CHART_HEIGHT;
+    const scale = window.devicePixelRatio || 1;
+    canvas.width = width * scale;
+    canvas.height = height * scale;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(scale, 0, 0, scale, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const values = this.accepted;
+    ctx.fillStyle = "#888";
+    ctx.fillText("codes accepted per step", 6, 12);
+    if (!values.length) return;
+    const peak = Math.max(...values, 1);
+    const top = 18;
+    const bar = (width - 8) / values.length;
+    ctx.fillStyle = "#21918c";
+    values.forEach((value, i) => {
+      const h = ((height - top - 4) * value) / peak;
+      ctx.fillRect(4 + i * bar, height - 4 - h, Math.max(bar - 1, 1), h);
+    });
+    ctx.fillStyle = "#bbb";
+    ctx.fillText(`max ${peak.toFixed(1)}, ${values.length} steps`, width - 130, 12);
+  }
+}
+
+class SummaryText {
+  constructor(node) {
+    this.node = node;
+    this.box = makeBox(node, "sjd_summary", 90);
+    this.pre = document.createElement("pre");
+    this.pre.style.cssText = "margin:0;white-space:pre-wrap;overflow:auto;max-height:160px;";
+    this.box.append(this.pre);
+    this.show(node.properties?.sjd_last_text ?? "");
+  }
+
+  show(text) {
+    this.pre.textContent = text;
+    this.node.properties = this.node.properties ?? {};
+    this.node.properties.sjd_last_text = text;
+    this.node.setDirtyCanvas?.(true, true);
+  }
+}
+
+const chartOf = (id) => findNode(id)?.sjdChart ?? null;
+
+app.registerExtension({
+  name: "sjd.progress",
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name !== SAMPLER && nodeData.name !== DIAGNOSTICS) return;
+    const created = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const result = created?.apply(this, arguments);
+      if (nodeData.name === SAMPLER) this.sjdChart = new SamplerChart(this);
+      else this.sjdSummary = new SummaryText(this);
+      return result;
+    };
+    const configured = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const result = configured?.apply(this, arguments);
+      // Workflows saved after a run carry its summary: show it after loading.
+      if (this.sjdChart && this.properties?.sjd_last) this.sjdChart.restore(this.properties.sjd_last, "last run");
+      if (this.sjdSummary && this.properties?.sjd_last_text) this.sjdSummary.show(this.properties.sjd_last_text);
+      return result;
+    };
+    const executed = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (output) {
+      const result = executed?.apply(this, arguments);
+      const text = output?.sjd_text?.[0];
+      if (text && this.sjdChart) this.sjdChart.finish(text, output.sjd_accepted);
+      if (text && this.sjdSummary) this.sjdSummary.show(text);
+      return result;
+    };
+  },
+
+  setup() {
+    api.addEventListener("executing", ({ detail }) => {
+      // Older ComfyUI sends the node id itself, newer ones an object with it.
+      const id = detail && typeof detail === "object" ? detail.node : detail;
+      chartOf(id)?.start();
+    });
+    api.addEventListener("sjd.progress", ({ detail }) => chartOf(detail.node)?.progress(detail));
+    api.addEventListener("sjd.done", ({ detail }) => chartOf(detail.node)?.finish(detail.text, detail.accepted));
+    // A re-run with unchanged inputs is served from the cache and sends no progress: keep showing
+    // the run that made the cached result.
+    api.addEventListener("execution_cached", ({ detail }) => {
+      for (const id of detail?.nodes ?? []) {
+        const chart = chartOf(id);
+        const last = chart?.node.properties?.sjd_last;
+        if (chart) chart.restore(last ?? { text: "no run recorded in this workflow" }, "cached (inputs unchanged)");
+      }
+    });
+    for (const event of ["execution_interrupted", "execution_error"]) {
+      api.addEventListener(event, ({ detail }) => {
+        const chart = chartOf(detail?.node_id);
+        if (chart) chart.setStatus(`stopped (${event === "execution_error" ? "error" : "cancelled"}) after ${chart.accepted.length} steps`);
+      });
+    }
+  },
+});
