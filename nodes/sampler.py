@@ -128,8 +128,8 @@ class SJDSampler:
                 "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
                                  "control_after_generate": True,
                                  "tooltip": "Random seed; the same seed and settings give the "
-                                            "same image in every mode without relaxed "
-                                            "acceptance."}),
+                                            "same image. Lossless modes draw from the same "
+                                            "distribution but not the same sample per seed."}),
                 "sampling": (list(SAMPLING_CHOICES), {
                     "default": "family recipe",
                     "tooltip": "'family recipe' uses the model's official guidance, temperature, "
