@@ -21,6 +21,7 @@ Command line:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -208,6 +210,113 @@ class ComfyServer:
                 return history[prompt_id]
             time.sleep(0.25)
         raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout}s:\n{self.log()[-4000:]}")
+
+
+class Listener:
+    """Collects the server's websocket messages (JSON events and binary preview frames) in a thread."""
+
+    def __init__(self, server: ComfyServer) -> None:
+        self.url = f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}"
+        self.events: list[dict] = []
+        self.previews = 0
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> "Listener":
+        self._thread.start()
+        if not self._connected.wait(30):
+            raise RuntimeError(f"could not open {self.url}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    async def _run(self) -> None:
+        import aiohttp  # a ComfyUI requirement, so present wherever the server runs
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with aiohttp.ClientSession() as session, session.ws_connect(self.url) as socket:
+            self._connected.set()
+            stop = asyncio.ensure_future(self._stop.wait())
+            while not self._stop.is_set():
+                receive = asyncio.ensure_future(socket.receive())
+                await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not receive.done():
+                    receive.cancel()
+                    break
+                message = receive.result()
+                with self._lock:
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        self.events.append(json.loads(message.data))
+                    elif message.type == aiohttp.WSMsgType.BINARY:
+                        self.previews += 1
+                    else:
+                        break
+
+    def of(self, event: str) -> list[dict]:
+        """The ``data`` of every message of type ``event`` received so far."""
+        with self._lock:
+            return [e["data"] for e in self.events if e.get("type") == event]
+
+    def wait_for(self, event: str, count: int = 1, timeout: float = 120.0) -> list[dict]:
+        """Block until ``count`` messages of type ``event`` arrived; returns them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.of(event)
+            if len(found) >= count:
+                return found
+            time.sleep(0.05)
+        raise TimeoutError(f"fewer than {count} {event!r} messages in {timeout}s")
+
+
+# Frontend-only node types: they live in the browser and never reach the server.
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def ui_to_api(workflow: dict, object_info: dict) -> dict:
+    """Convert a UI-format workflow (as saved by the browser) to the API format of ``POST /prompt``.
+
+    Done the way the frontend does it: links become ``[origin_id, origin_slot]``; each widget
+    input, in the order ``/object_info`` lists the node's inputs, takes the next value of
+    ``widgets_values``; an INT with control-after-generate has one more value after it (the
+    control setting, which stays in the browser). Unknown node types raise.
+    """
+    links = {link[0]: link for link in workflow["links"]}
+    prompt: dict = {}
+    for node in workflow["nodes"]:
+        if node["type"] in FRONTEND_ONLY or node.get("mode", 0) in (2, 4):  # muted / bypassed
+            continue
+        if node["type"] not in object_info:
+            raise KeyError(f"node {node['id']}: type {node['type']!r} is not known to this ComfyUI")
+        info = object_info[node["type"]]
+        linked = {i["name"]: links[i["link"]] for i in node.get("inputs", []) if i.get("link")}
+        values = list(node.get("widgets_values") or [])
+        inputs: dict = {}
+        for section in ("required", "optional"):
+            for name, spec in info["input"].get(section, {}).items():
+                kind = "COMBO" if isinstance(spec[0], list) else spec[0]
+                options = spec[1] if len(spec) > 1 else {}
+                if name in linked:
+                    inputs[name] = [str(linked[name][1]), linked[name][2]]
+                elif kind in WIDGET_TYPES and not options.get("forceInput"):
+                    if not values:
+                        raise ValueError(f"node {node['id']} ({node['type']}): no widget value "
+                                         f"left for input {name!r}")
+                    inputs[name] = values.pop(0)
+                    if kind == "INT" and (options.get("control_after_generate")
+                                          or name in ("seed", "noise_seed")):
+                        values.pop(0)
+        if values:
+            raise ValueError(f"node {node['id']} ({node['type']}): {len(values)} widget values "
+                             f"left over: {values}")
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
 
 
 def main() -> None:

