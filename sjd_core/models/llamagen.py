@@ -1,0 +1,303 @@
+"""LlamaGen (``FoundationVision/LlamaGen``), class- and text-conditional, on a stock ``LlamaForCausalLM``.
+
+What is on disk (see :mod:`sjd_core.models.llamagen_checkpoint`): the release ``.pt`` pair
+(``c2i_L_384.pt`` + ``vq_ds16_c2i.pt``, read weights-only) or its one-time safetensors conversion
+(``model.safetensors`` + ``vq.safetensors`` + ``llamagen.json``). The image size is the one the
+GPT was trained at (from ``llamagen.json`` or the file name); it is the only supported resolution.
+
+Class-conditional (c2i) recipe: the prompt is a class index (``"207"``) or a class name matched,
+ignoring case, against ``imagenet_classes.txt`` next to the weights (line i names class i; any of
+its comma-separated synonyms matches). Guidance uses the null class (index ``num_classes``);
+cfg 4.0, top-k 2000, temperature 1.0.
+
+Text-conditional (t2i) recipe: the conditioning is FLAN-T5-XL caption features (up to 120 tokens,
+2048 wide), projected by the model, left-padded with the padding masked out; guidance uses the
+model's learned null caption under the same mask; cfg 7.5, top-k 1000, temperature 1.0. The
+features come from, in order:
+
+1. ``request.extra["caption_embeddings"]``: a float tensor (tokens, 2048) or (batch, tokens, 2048)
+   of the caption's valid T5 tokens, with an optional bool ``request.extra["caption_mask"]``
+   (same leading shape) marking valid tokens; or the path of a ``.safetensors`` file holding
+   ``caption_embeddings`` (and optionally ``caption_mask``);
+2. a T5 encoder folder next to the weights (``flan-t5-xl/`` or ``t5-ckpt/flan-t5-xl/``, a
+   transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt``.
+
+Anything else is refused with a message saying so. The prompt of a t2i model is not tokenised by
+the GPT itself: there is no text vocabulary in it.
+
+Sequence layout: the conditioning tokens take positions ``0 .. cond_tokens - 1`` (LlamaGen's 2D
+rotary table zeroes their queries and keys, so their exact positions do not change any value), the
+last one is the slot -1 token, and image slot k sits at position ``cond_tokens + k``. A caption
+shorter than ``cond_tokens`` is fed without its masked padding: dropping a masked entry and
+shifting the image positions by the padding length gives the same attention as LlamaGen's
+left-padded, masked sequence.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from .family_common import check_codes, pick_grid, read_json, to_images
+from .hf_session import Context, DecoderParts, HFSession
+from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ_SAFETENSORS, LlamaGenSpec, build_gpt,
+                                  build_vq, image_size_from_name, infer_spec, llama_config,
+                                  read_state_dict, safetensors_shapes, shapes_of, tensor_converter,
+                                  vq_downsample, vq_to_janus)
+from .llamagen_modules import LlamaGenTransformer
+from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
+                     safetensors_files)
+from .protocol import GenerationRequest, SamplingDefaults
+
+T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
+_GPT_NAME = re.compile(r"^(c2i|t2i)_.*\.(pt|safetensors)$")
+
+
+class LlamaGenModel:
+    """LlamaGen behind the adapter protocol (see the module docstring for the recipes)."""
+
+    family = "llamagen"
+
+    def __init__(self, model: LlamaGenTransformer, vq, spec: LlamaGenSpec, folder: Path) -> None:
+        self.model, self.vq, self.spec, self.folder = model, vq, spec, folder
+        self.device = input_device(model)
+        self.dtype = next(model.parameters()).dtype
+        self.codebook_size = int(vq.config.num_embeddings)
+        side = int(vq.config.num_patches)
+        self._grids = {(spec.image_size, spec.image_size): (side, side)}
+        self.defaults = (SamplingDefaults(guidance=4.0, temperature=1.0, top_k=2000) if spec.kind == "c2i"
+                         else SamplingDefaults(guidance=7.5, temperature=1.0, top_k=1000))
+        self._class_names = self._read_class_names() if spec.kind == "c2i" else {}
+        self._t5 = None
+
+    # ------------------------------------------------------------------ layout
+    def supported_resolutions(self) -> list[tuple[int, int]]:
+        return list(self._grids)
+
+    def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
+        return pick_grid(f"LlamaGen ({self.spec.kind}, trained at {self.spec.image_size} px)",
+                         resolution, self._grids)
+
+    def codebook_embeddings(self) -> torch.Tensor:
+        """The VQ codebook as its decoder sees it (L2-normalised rows)."""
+        return torch.nn.functional.normalize(self.vq.quantize.embedding.weight.detach().float(), dim=-1)
+
+    # ------------------------------------------------------------------ conditioning
+    def _read_class_names(self) -> dict[str, int]:
+        file = self.folder / CLASS_NAMES_FILE
+        if not file.is_file():
+            return {}
+        names: dict[str, int] = {}
+        for index, line in enumerate(file.read_text(encoding="utf-8").splitlines()):
+            for name in [line] + line.split(","):
+                names.setdefault(name.strip().lower(), index)
+        names.pop("", None)
+        return names
+
+    def class_index(self, prompt: str) -> int:
+        """The class of a c2i prompt: an index, or a name from ``imagenet_classes.txt``."""
+        text = prompt.strip()
+        n = self.spec.num_classes
+        if re.fullmatch(r"\d+", text):
+            index = int(text)
+            if index >= n:
+                raise ValueError(f"class index {index} is out of range: this LlamaGen model has classes "
+                                 f"0..{n - 1}.")
+            return index
+        if text.lower() in self._class_names:
+            return self._class_names[text.lower()]
+        if not self._class_names:
+            raise ValueError(f"prompt={prompt!r} is not a class index, and there is no {CLASS_NAMES_FILE} "
+                             f"in {str(self.folder)!r} to look names up: give an index 0..{n - 1}, or "
+                             f"add that file (one class name per line, line i = class i).")
+        raise ValueError(f"prompt={prompt!r} is not a class index 0..{n - 1} nor a class name listed in "
+                         f"{str(self.folder / CLASS_NAMES_FILE)!r}.")
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        embedder = self.model.cond_embedder
+        weight = next(embedder.parameters())
+        inputs = inputs.to(weight.device, weight.dtype if inputs.is_floating_point() else None)
+        return embedder(inputs).to(self.device, self.dtype)
+
+    def _class_contexts(self, request: GenerationRequest) -> tuple[list[Context], list[Context] | None]:
+        labels = torch.tensor([self.class_index(request.prompt), self.spec.num_classes])
+        cond, null = self._embed(labels)  # (1, dim) each
+        uncond = [Context(embeds=null)] * request.batch_size if request.guidance != 1.0 else None
+        return [Context(embeds=cond)] * request.batch_size, uncond
+
+    def caption_features(self, request: GenerationRequest) -> list[torch.Tensor]:
+        """Per image, the (valid tokens, caption_dim) T5 features of its caption."""
+        extra = request.extra or {}
+        if "caption_embeddings" in extra:
+            return self._given_features(extra, request.batch_size)
+        encoder = self._t5_encoder()
+        tokenizer, t5 = encoder
+        ids = tokenizer(request.prompt, max_length=self.spec.cond_tokens, truncation=True,
+                        return_tensors="pt")["input_ids"].to(t5.device)
+        with torch.no_grad():
+            features = t5(input_ids=ids).last_hidden_state[0].float()
+        return [features] * request.batch_size
+
+    def _given_features(self, extra: dict, batch_size: int) -> list[torch.Tensor]:
+        features, mask = extra["caption_embeddings"], extra.get("caption_mask")
+        if isinstance(features, (str, Path)):
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(features))
+            if "caption_embeddings" not in loaded:
+                raise ValueError(f"{str(features)!r} holds no 'caption_embeddings' tensor "
+                                 f"(found {sorted(loaded)}).")
+            features, mask = loaded["caption_embeddings"], loaded.get("caption_mask", mask)
+        if not isinstance(features, torch.Tensor) or features.dim() not in (2, 3) \
+                or features.shape[-1] != self.spec.caption_dim:
+            shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+            raise ValueError(f"caption_embeddings has shape {shape}; it must be (tokens, "
+                             f"{self.spec.caption_dim}) or (batch, tokens, {self.spec.caption_dim}) "
+                             f"FLAN-T5 features.")
+        if features.dim() == 2:
+            features = features[None]
+            mask = None if mask is None else mask.reshape(1, -1)
+        if features.shape[0] not in (1, batch_size):
+            raise ValueError(f"caption_embeddings has {features.shape[0]} captions for batch_size={batch_size}: "
+                             f"give one caption, or one per image.")
+        if mask is None:
+            mask = torch.ones(features.shape[:2], dtype=torch.bool)
+        mask = mask.to(torch.bool).reshape(features.shape[:2])
+        rows = [features[b][mask[b]] for b in range(features.shape[0])]
+        for b, row in enumerate(rows):
+            if not 1 <= len(row) <= self.spec.cond_tokens:
+                raise ValueError(f"caption {b} has {len(row)} valid tokens; it needs 1 to "
+                                 f"{self.spec.cond_tokens}.")
+        return rows * (batch_size // len(rows))
+
+    def _t5_encoder(self):
+        if self._t5 is None:
+            folder = next((self.folder / name for name in T5_FOLDERS
+                           if (self.folder / name / "config.json").is_file()), None)
+            if folder is None:
+                raise ValueError(
+                    "This text-conditional LlamaGen model needs FLAN-T5-XL caption features. Either pass "
+                    "precomputed features as extra['caption_embeddings'] (a (tokens, "
+                    f"{self.spec.caption_dim}) tensor or a .safetensors file), or put the google/flan-t5-xl "
+                    f"encoder (config.json, model weights, tokenizer) in {str(self.folder / T5_FOLDERS[0])!r}.")
+            from transformers import AutoTokenizer, T5EncoderModel
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            t5 = T5EncoderModel.from_pretrained(str(folder), local_files_only=True,
+                                                dtype=self.dtype).to(self.device).eval()
+            self._t5 = (tokenizer, t5)
+        return self._t5
+
+    def _caption_contexts(self, request: GenerationRequest
+                          ) -> tuple[list[Context], list[Context] | None, torch.Tensor]:
+        features = self.caption_features(request)
+        null = self.model.cond_embedder.uncond_embedding
+        cond, uncond, shift = [], [], []
+        for row in features:
+            valid = len(row)
+            cond.append(Context(embeds=self._embed(row)))
+            # LlamaGen's null caption under the same mask: its last `valid` rows
+            uncond.append(Context(embeds=self._embed(null[self.spec.cond_tokens - valid:])))
+            shift.append(self.spec.cond_tokens - valid)
+        guided = request.guidance != 1.0
+        shifts = torch.tensor(shift * (2 if guided else 1), device=self.device)
+        return cond, (uncond if guided else None), shifts
+
+    # ------------------------------------------------------------------ session
+    def parts(self, shifts: torch.Tensor | None = None) -> DecoderParts:
+        backbone = self.model.model
+        parts = DecoderParts(backbone=backbone, embed_tokens=backbone.embed_tokens,
+                             embed_codes=backbone.embed_tokens, code_logits=self.model.lm_head,
+                             row_end_id=None, device=self.device, dtype=self.dtype,
+                             cache_config=self.model.config)
+        if shifts is not None:
+            parts.slot_offsets = lambda slots, width, row_end: slots + 1 + shifts[:, None]
+        return parts
+
+    def start(self, request: GenerationRequest) -> HFSession:
+        grid = self.grid_for(request.resolution)
+        if self.spec.kind == "c2i":
+            cond, uncond = self._class_contexts(request)
+            return HFSession(self.parts(), cond, uncond, grid)
+        cond, uncond, shifts = self._caption_contexts(request)
+        return HFSession(self.parts(shifts), cond, uncond, grid)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        check_codes("LlamaGen", codes, self.codebook_size)
+        side = next(iter(self._grids.values()))
+        if tuple(codes.shape[1:]) != side:
+            raise ValueError(f"LlamaGen decodes {side[0]}x{side[1]} code grids, got {tuple(codes.shape[1:])}.")
+        pixels = self.vq.decode(codes.flatten(1).to(next(self.vq.parameters()).device))
+        return to_images(pixels, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])  # the VQ decodes to [-1, 1]
+
+
+# ---------------------------------------------------------------------- finding and loading
+def _checkpoint_files(path: Path) -> tuple[Path, Path]:
+    """(GPT file, VQ file) for a LlamaGen folder, or for a GPT file with its VQ file beside it."""
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir() and (path / GPT_SAFETENSORS).is_file():
+        gpt = path / GPT_SAFETENSORS
+    elif path.is_file():
+        gpt = path
+    else:
+        found = sorted(p for p in folder.iterdir() if _GPT_NAME.match(p.name))
+        if len(found) != 1:
+            raise ValueError(f"{str(folder)!r} must hold exactly one LlamaGen GPT checkpoint "
+                             f"(c2i_*.pt or t2i_*.pt), found {[p.name for p in found]}.")
+        gpt = found[0]
+    vqs = sorted(p for p in folder.iterdir() if p.name == VQ_SAFETENSORS
+                 or (p.name.startswith("vq") and p.suffix in (".pt", ".safetensors")))
+    if not vqs:
+        raise FileNotFoundError(f"No LlamaGen VQ tokenizer in {str(folder)!r}: put vq_ds16_c2i.pt (or "
+                                f"vq_ds16_t2i.pt) next to {gpt.name}.")
+    if len(vqs) > 1:
+        raise ValueError(f"{str(folder)!r} holds several VQ files {[p.name for p in vqs]}; keep one.")
+    return gpt, vqs[0]
+
+
+def detect(path: Path) -> bool:
+    """A LlamaGen checkpoint: ``llamagen.json``, a ``c2i_*``/``t2i_*`` GPT file, or such a folder."""
+    if path.is_file():
+        return bool(_GPT_NAME.match(path.name))
+    return path.is_dir() and ((path / SIDECAR).is_file() or any(_GPT_NAME.match(p.name) for p in path.iterdir()))
+
+
+def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel:
+    """Load a LlamaGen GPT + VQ pair (``.pt`` read weights-only, or the safetensors conversion)."""
+    device, dtype = resolve_device_dtype(device, dtype)
+    gpt_file, vq_file = _checkpoint_files(path)
+    folder = gpt_file.parent
+    settings = read_json(folder / SIDECAR)
+    size = settings.get("image_size") or image_size_from_name(gpt_file.name)
+    if size is None:
+        raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
+                         f"its name (such as c2i_L_384.pt): set \"image_size\" in {folder / SIDECAR}.")
+    vq_config, vq_state = vq_to_janus(read_state_dict(vq_file), source=str(vq_file))
+    factor = vq_downsample(vq_config)
+    if size % factor:
+        raise ValueError(f"image_size {size} is not a multiple of the VQ's {factor} pixels per code.")
+    vq_config.num_patches = size // factor
+    if gpt_file.suffix == ".safetensors":
+        files = safetensors_files(folder) if gpt_file.name == GPT_SAFETENSORS else [gpt_file]
+        spec = infer_spec(safetensors_shapes(files[0]), size, settings.get("n_head"), str(gpt_file))
+        model = load_transformers_model(LlamaGenTransformer, llama_config(spec, size // factor), files,
+                                        device, dtype, device_map, convert=tensor_converter(spec))
+    else:
+        if device_map is not None:
+            raise ValueError(f"device_map needs the safetensors form of {gpt_file.name!r}: convert it once "
+                             f"with `python -m sjd_core.models.llamagen_checkpoint {gpt_file} {vq_file} "
+                             f"OUT_DIR` and load OUT_DIR.")
+        state = read_state_dict(gpt_file)
+        spec = infer_spec(shapes_of(state), size, settings.get("n_head"), str(gpt_file))
+        model = build_gpt(state, spec, size // factor, device, dtype, str(gpt_file))
+        del state
+    vq = build_vq(vq_config, vq_state, input_device(model), dtype, str(vq_file))
+    return LlamaGenModel(model, vq, spec, folder)
+
+
+register_family("llamagen", detect, build,
+                "LlamaGen's c2i_*.pt or t2i_*.pt GPT with its vq_ds16_*.pt beside it (a folder or the "
+                ".pt file), or their conversion: model.safetensors + vq.safetensors + llamagen.json")
