@@ -1,0 +1,249 @@
+"""Lumina-mGPT and Anole: Chameleon-architecture models on stock ``ChameleonForConditionalGeneration``.
+
+Layout of a generated image (token names from the checkpoint's ``vocabulary_map``):
+
+* Lumina-mGPT: ``<racm3:break>`` (image start, id 8197), the size tokens ``<reserved{8800+h}>``
+  and ``<reserved{8800+w}>`` (ids 8804 + h, 8804 + w; h, w in units of 32 px), then each row of
+  codes followed by ``<reserved08799>`` (row end, id 8803), then ``<eoss>`` (image end, 8196).
+  The prompt is BOS + ``"Generate an image of {W}x{H} according to the following prompt:\\n{p}"``
+  + ``<reserved08706>`` (end of turn, 8710). Guidance runs a separate unconditional context that
+  starts at the image-start token (no text). Defaults: guidance 3.0, top-k 2000, temperature 1.0.
+* Anole: BOS + prompt + image start, then 32 x 32 codes with no size or row-end tokens;
+  unconditional context: the image-start token alone. Defaults (Chameleon's image options):
+  guidance 3.0, temperature 0.7, top-p 0.9.
+
+A code ``k`` is the token whose ``IMGIMG...`` name spells ``k`` (id ``k + 4`` in the released
+vocabulary). The stock ``forward`` masks every image-token logit, so the session calls the
+backbone ``model.model`` and ``lm_head`` itself. Lumina-mGPT stores its q/k layer-norm weights
+per model-parallel shard, ``(model_parallel_size, head_dim)``; they are expanded per head on load.
+
+The VQGAN decoder is not part of these checkpoints: ``vqgan.yaml`` and ``vqgan.ckpt`` from Meta's
+Chameleon release are looked for in the places listed in ``VQGAN_PLACES``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .family_common import check_codes, encode, load_tokenizer, to_images
+from .hf_session import Context, DecoderParts, HFSession
+from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
+                     safetensors_files)
+from .protocol import GenerationRequest, SamplingDefaults
+from .vqgan import VQGANDecoder, load_vqgan_decoder
+
+__all__ = ["ChameleonImageModel", "VQGAN_PLACES", "find_vqgan", "LUMINA", "ANOLE"]
+
+LUMINA, ANOLE = "lumina-mgpt", "anole"
+PIXELS_PER_CODE = 16
+SIZE_UNIT = 32  # Lumina's size tokens count 32-pixel units
+LUMINA_SIZES = (768, 512, 1024)
+ANOLE_SIZE = 512
+PROMPT_TEMPLATE = "Generate an image of {w}x{h} according to the following prompt:\n{prompt}"
+
+# Where the decoder weights may live, relative to the model folder, in the order searched:
+# inside the model folder; Meta's Chameleon download (``tokenizer/``); a shared folder next to the
+# models; Lumina-mGPT's README (``ckpts/chameleon/tokenizer``) and code (``ckpts/image_tokenizer``).
+VQGAN_PLACES = (".", "tokenizer", "../chameleon_vqgan", "../ckpts/chameleon/tokenizer",
+                "../ckpts/image_tokenizer/chameleon")
+
+
+def find_vqgan(folder: Path) -> tuple[Path, Path]:
+    """(vqgan.yaml, vqgan.ckpt) from the first place in ``VQGAN_PLACES`` that holds both."""
+    places = [(folder / p).resolve() for p in VQGAN_PLACES]
+    for place in places:
+        if (place / "vqgan.yaml").is_file() and (place / "vqgan.ckpt").is_file():
+            return place / "vqgan.yaml", place / "vqgan.ckpt"
+    partial = [f"{place / name} exists but {other} is missing"
+               for place in places for name, other in (("vqgan.yaml", "vqgan.ckpt"), ("vqgan.ckpt", "vqgan.yaml"))
+               if (place / name).is_file()]
+    raise FileNotFoundError(
+        "The Chameleon VQGAN decoder is missing: vqgan.yaml and vqgan.ckpt (from Meta's Chameleon "
+        "release, folder tokenizer/) must sit together in one of:\n"
+        + "\n".join(f"  - {p}" for p in places)
+        + ("\n" + "\n".join(partial) if partial else "")
+        + f"\nThe simplest is to copy both files into {folder}.")
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _is_chameleon(folder: Path) -> bool:
+    return folder.is_dir() and _config(folder).get("model_type") == "chameleon"
+
+
+def _is_lumina(folder: Path) -> bool:
+    """Lumina-mGPT configs come from its training class (z-loss weight, XLLMX architecture)."""
+    cfg = _config(folder)
+    archs = " ".join(cfg.get("architectures") or [])
+    return _is_chameleon(folder) and ("z_loss_weight" in cfg or "XLLMX" in archs)
+
+
+def _per_head_norms(num_heads: int, num_kv_heads: int):
+    """Checkpoint converter: expand (shards, head_dim) q/k-norm tensors to (heads, head_dim)."""
+    def convert(key: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        heads = num_heads if ".q_norm." in key else num_kv_heads if ".k_norm." in key else None
+        if heads is not None and value.dim() == 2 and value.shape[0] != heads:
+            if heads % value.shape[0]:
+                raise ValueError(f"{key} has {value.shape[0]} shards, which do not divide {heads} heads.")
+            value = value.repeat_interleave(heads // value.shape[0], dim=0)
+        yield key, value
+    return convert
+
+
+class ChameleonImageModel:
+    """Lumina-mGPT or Anole behind the :class:`~sjd_core.models.protocol.ImageTokenModel` protocol."""
+
+    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder, sizes: list[int]) -> None:
+        self.family = family
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vqgan = vqgan
+        self._sizes = sizes
+        cfg = model.config
+        vocab = cfg.vocabulary_map or {}
+        from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocabularyMapping
+
+        bpe2img = ChameleonImageVocabularyMapping(vocab).bpe2img
+        if not bpe2img:
+            raise ValueError("config.json has no IMGIMG image tokens in vocabulary_map; not a Chameleon image model.")
+        self.codebook_size = len(bpe2img)
+        self.device = input_device(model)
+        ids = torch.empty(self.codebook_size, dtype=torch.long)
+        ids[torch.tensor(list(bpe2img.values()))] = torch.tensor(list(bpe2img.keys()))
+        self.code_ids = ids.to(self.device)
+        self._contiguous = bool((ids == ids[0] + torch.arange(len(ids))).all())
+
+        def token(name: str) -> int:
+            if name not in vocab:
+                raise ValueError(f"config.json's vocabulary_map lacks {name!r}, which {family} needs.")
+            return int(vocab[name])
+
+        self.bos_id = int(cfg.bos_token_id)
+        self.image_start_id = token("<racm3:break>")
+        self.image_end_id = token("<eoss>")
+        if family == LUMINA:
+            self.end_of_turn_id = token("<reserved08706>")
+            self.row_end_id: int | None = token("<reserved08799>")
+            self._size_ids = {n: token(f"<reserved{8800 + n:05d}>") for n in
+                              {s // SIZE_UNIT for s in sizes}}
+            self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2000)
+        else:
+            self.end_of_turn_id = None
+            self.row_end_id = None
+            self._size_ids = {}
+            self.defaults = SamplingDefaults(guidance=3.0, temperature=0.7, top_k=0, top_p=0.9)
+
+    # ----------------------------------------------------------------------------- layout
+    def supported_resolutions(self) -> list[tuple[int, int]]:
+        """Square sizes, the checkpoint's own first."""
+        return [(s, s) for s in self._sizes]
+
+    def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
+        width, height = resolution if resolution is not None else self.supported_resolutions()[0]
+        if (width, height) not in self.supported_resolutions():
+            listing = ", ".join(f"{w}x{h}" for w, h in self.supported_resolutions())
+            raise ValueError(f"resolution={width}x{height} is not supported by {self.family}: use one of "
+                             f"{listing} (width x height, in pixels).")
+        return height // PIXELS_PER_CODE, width // PIXELS_PER_CODE
+
+    def codebook_embeddings(self) -> torch.Tensor:
+        """The VQ codebook vectors (the same codebook the VQGAN decoder reads)."""
+        return self.vqgan.quantize.embedding.weight.detach().float()
+
+    # ----------------------------------------------------------------------------- prompts
+    def prompt_ids(self, prompt: str, resolution: tuple[int, int]) -> list[int]:
+        """The conditional context: prompt template, then the image-start (and size) tokens."""
+        width, height = resolution
+        if self.family == LUMINA:
+            text = PROMPT_TEMPLATE.format(w=width, h=height, prompt=prompt)
+            return [self.bos_id] + encode(self.tokenizer, text) + [self.end_of_turn_id] + self.image_prefix(resolution)
+        return [self.bos_id] + encode(self.tokenizer, prompt) + self.image_prefix(resolution)
+
+    def image_prefix(self, resolution: tuple[int, int]) -> list[int]:
+        """Image start, then (Lumina) the height and width tokens; also the unconditional context."""
+        width, height = resolution
+        if self.family == LUMINA:
+            return [self.image_start_id, self._size_ids[height // SIZE_UNIT], self._size_ids[width // SIZE_UNIT]]
+        return [self.image_start_id]
+
+    def parts(self) -> DecoderParts:
+        """The Chameleon pieces of the shared session."""
+        embed = self.model.model.embed_tokens
+        head = self.model.lm_head
+        ids = self.code_ids
+        first = int(ids[0])
+
+        def code_logits(hidden: torch.Tensor) -> torch.Tensor:
+            logits = head(hidden)
+            if self._contiguous:
+                return logits[..., first:first + self.codebook_size]
+            return logits.index_select(-1, ids.to(logits.device))
+
+        return DecoderParts(
+            backbone=self.model.model, embed_tokens=embed,
+            embed_codes=lambda codes: embed(ids[codes.to(ids.device)]),
+            code_logits=code_logits, row_end_id=self.row_end_id, device=self.device,
+            dtype=self.model.dtype, cache_config=self.model.config)
+
+    def start(self, request: GenerationRequest) -> HFSession:
+        """Tokenise and prefill the conditional (and, with guidance, unconditional) contexts."""
+        grid = self.grid_for(request.resolution)
+        resolution = (grid[1] * PIXELS_PER_CODE, grid[0] * PIXELS_PER_CODE)
+        cond = Context(ids=torch.tensor(self.prompt_ids(request.prompt, resolution)))
+        uncond = None
+        if request.guidance != 1.0:
+            negative = request.negative_prompt.strip()
+            ids = self.prompt_ids(negative, resolution) if negative else self.image_prefix(resolution)
+            uncond = [Context(ids=torch.tensor(ids))] * request.batch_size
+        return HFSession(self.parts(), [cond] * request.batch_size, uncond, grid)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """(B, H, W) codes -> (B, 16H, 16W, 3) float images in [0, 1] on the CPU."""
+        check_codes(self.family, codes, self.codebook_size)
+        dev = self.vqgan.post_quant_conv.weight.device
+        pixels = self.vqgan(codes.to(dev))
+        return to_images(pixels, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+
+
+def _trained_sizes(folder: Path) -> list[int]:
+    """Lumina-mGPT checkpoints are named after their training size (``Lumina-mGPT-7B-768``)."""
+    found = [int(m) for m in re.findall(r"(?<!\d)(512|768|1024)(?!\d)", folder.name)]
+    first = found[-1] if found else LUMINA_SIZES[0]
+    return [first] + [s for s in LUMINA_SIZES if s != first]
+
+
+def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None) -> ChameleonImageModel:
+    """Load a Lumina-mGPT or Anole folder (checks tokenizer, decoder and weights before loading)."""
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    family = family or (LUMINA if _is_lumina(folder) else ANOLE)
+    dev, dtype = resolve_device_dtype(device, dtype)
+    config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = load_tokenizer(folder, family)
+    yaml_file, ckpt_file = find_vqgan(folder)
+    files = safetensors_files(folder)
+    vqgan = load_vqgan_decoder(yaml_file, ckpt_file, torch.device("cpu"))
+    convert = _per_head_norms(config.num_attention_heads, config.num_key_value_heads)
+    model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
+                                    device_map=device_map, convert=convert)
+    vqgan = vqgan.to(input_device(model))
+    sizes = _trained_sizes(folder) if family == LUMINA else [ANOLE_SIZE]
+    return ChameleonImageModel(family, model, tokenizer, vqgan, sizes)
+
+
+_EXPECTS = ("config.json (model_type 'chameleon'{}), model.safetensors or shards + "
+            "model.safetensors.index.json, tokenizer.json, and vqgan.yaml + vqgan.ckpt")
+register_family(LUMINA, _is_lumina, lambda p, **kw: build(p, family=LUMINA, **kw),
+                _EXPECTS.format(" with Lumina-mGPT's z_loss_weight"))
+register_family(ANOLE, lambda p: _is_chameleon(p) and not _is_lumina(p),
+                lambda p, **kw: build(p, family=ANOLE, **kw), _EXPECTS.format(""))

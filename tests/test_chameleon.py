@@ -1,0 +1,249 @@
+"""Lumina-mGPT and Anole adapters on tiny checkpoints written in the real layout (fp32, CPU)."""
+
+import pytest
+import torch
+
+from sjd_core.engine import generate
+from sjd_core.models.chameleon import VQGAN_PLACES
+from sjd_core.models.loader import load_model
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.settings import AccelerationSettings, SamplingSettings
+from tests.tiny_checkpoints import (CHAMELEON_CODES, chameleon_reference, write_anole, write_lumina,
+                                    write_vqgan)
+
+torch.set_num_threads(1)
+WIDTH = 32  # codes per row at 512 px
+
+
+@pytest.fixture(scope="module")
+def lumina_dir(tmp_path_factory):
+    return write_lumina(tmp_path_factory.mktemp("models") / "Lumina-mGPT-7B-512")
+
+
+@pytest.fixture(scope="module")
+def anole_dir(tmp_path_factory):
+    return write_anole(tmp_path_factory.mktemp("models") / "Anole-7b-v0.1-hf")
+
+
+@pytest.fixture(scope="module")
+def lumina(lumina_dir):
+    return load_model(lumina_dir)
+
+
+@pytest.fixture(scope="module")
+def anole(anole_dir):
+    return load_model(anole_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(lumina_dir):
+    return chameleon_reference(lumina_dir)
+
+
+def chain(t: int) -> torch.Tensor:
+    return torch.tril(torch.ones(t, t, dtype=torch.bool))
+
+
+def image_tokens(codes: list[int], row_end: int | None) -> list[int]:
+    out = []
+    for i, c in enumerate(codes):
+        out.append(c + 4)
+        if row_end is not None and i % WIDTH == WIDTH - 1:
+            out.append(row_end)
+    return out
+
+
+@torch.no_grad()
+def reference_logits(ref, context: list[int], codes: list[int], row_end: int | None = 8803) -> torch.Tensor:
+    """Code logits after the slot -1 token and after each code, from one plain causal forward."""
+    ids = context + image_tokens(codes, row_end)
+    hidden = ref.model(input_ids=torch.tensor([ids])).last_hidden_state
+    logits = ref.lm_head(hidden)[0, :, 4:4 + CHAMELEON_CODES]
+    outs, pos = [len(context) - 1], len(context) - 1
+    for i in range(len(codes)):
+        pos += 1 + (row_end is not None and i % WIDTH == WIDTH - 1)
+        outs.append(pos)
+    return logits[outs]
+
+
+CODES = torch.randint(0, CHAMELEON_CODES, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+# ----------------------------------------------------------------------------- recipe
+def test_lumina_prompt_and_structural_tokens(lumina):
+    ids = lumina.prompt_ids("a red fox", (512, 512))
+    assert ids[0] == 0  # BOS
+    assert ids[-4:] == [8710, 8197, 8804 + 16, 8804 + 16]  # end of turn, image start, h, w
+    text = lumina.tokenizer.decode(ids[1:-4])
+    assert text == "Generate an image of 512x512 according to the following prompt:\na red fox"
+    assert lumina.image_prefix((512, 512)) == [8197, 8820, 8820]
+    assert lumina.image_prefix((1024, 768)) == [8197, 8804 + 24, 8804 + 32]  # (w, h): h first
+    assert lumina.row_end_id == 8803 and lumina.image_end_id == 8196
+    assert torch.equal(lumina.code_ids.cpu(), torch.arange(CHAMELEON_CODES) + 4)  # code = id - 4
+    assert lumina.defaults.guidance == 3.0 and lumina.defaults.top_k == 2000
+    assert lumina.defaults.temperature == 1.0
+    assert lumina.supported_resolutions()[0] == (512, 512)  # the checkpoint's trained size first
+    assert lumina.grid_for((768, 768)) == (48, 48)
+
+
+def test_anole_prompt_and_layout(anole):
+    ids = anole.prompt_ids("a red fox", (512, 512))
+    assert ids[0] == 0 and ids[-1] == 8197
+    assert anole.tokenizer.decode(ids[1:-1]) == "a red fox"
+    assert anole.image_prefix((512, 512)) == [8197]
+    assert anole.row_end_id is None
+    assert anole.supported_resolutions() == [(512, 512)]
+    assert anole.grid_for(None) == (32, 32)
+
+
+def test_unsupported_resolution_lists_supported(lumina, anole):
+    with pytest.raises(ValueError, match=r"640x480 .*512x512, 768x768, 1024x1024"):
+        lumina.grid_for((640, 480))
+    with pytest.raises(ValueError, match=r"768x768 .*use one of 512x512"):
+        anole.start(GenerationRequest(prompt="x", resolution=(768, 768)))
+
+
+# ----------------------------------------------------------------------------- session exactness
+@torch.no_grad()
+def test_window_equals_stepwise_across_row_ends(lumina, reference):
+    context = lumina.prompt_ids("a fox", (512, 512))
+    ref = reference_logits(reference, context, CODES[:40])
+    session = lumina.start(GenerationRequest(prompt="a fox"))
+    slots = torch.arange(-1, 40)[None]  # crosses the row end after slot 31
+    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), slots, chain(41))
+    assert uncond is None
+    torch.testing.assert_close(cond[0], ref, atol=1e-4, rtol=1e-4)
+    step = lumina.start(GenerationRequest(prompt="a fox"))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    outs = []
+    for s in range(-1, 40):
+        out, _ = step.forward(torch.tensor([[0 if s < 0 else CODES[s]]]), torch.tensor([[s]]), chain(1))
+        step.keep(one)
+        outs.append(out[0, 0])
+    torch.testing.assert_close(torch.stack(outs), cond[0], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_tree_equals_branches_and_keep_continue(lumina, reference):
+    context = lumina.prompt_ids("a fox", (512, 512))
+    session = lumina.start(GenerationRequest(prompt="a fox"))
+    prefix = CODES[:30]
+    session.forward(torch.tensor([[0] + prefix]), torch.arange(-1, 30)[None], chain(31))
+    session.keep(torch.ones(1, 31, dtype=torch.bool))
+    # slot 30: candidates a/b; slot 31 (ends the row): children; slot 32 after the row end
+    a, b, x, y, z = 7, 9, 11, 13, 15
+    codes = torch.tensor([[a, b, x, y, z]])
+    slots = torch.tensor([[30, 30, 31, 31, 32]])
+    anc = torch.eye(5, dtype=torch.bool)
+    anc[2, 0] = anc[3, 1] = anc[4, 3] = anc[4, 1] = True
+    tree, _ = session.forward(codes, slots, anc)
+    for node, branch in {0: [a], 1: [b], 2: [a, x], 3: [b, y], 4: [b, y, z]}.items():
+        want = reference_logits(reference, context, prefix + branch)[-1]
+        torch.testing.assert_close(tree[0, node], want, atol=1e-4, rtol=1e-4)
+    session.keep(torch.tensor([[False, True, False, True, True]]))  # accept b, y, z
+    out, _ = session.forward(torch.tensor([[CODES[33], CODES[34]]]), torch.tensor([[33, 34]]), chain(2))
+    want = reference_logits(reference, context, prefix + [b, y, z] + CODES[33:35])[-2:]
+    torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_guidance_batch_equals_separate_forwards(lumina, reference):
+    session = lumina.start(GenerationRequest(prompt="a fox", guidance=3.0, batch_size=2))
+    codes = torch.tensor([[0] + CODES[:35], [0] + CODES[35:70]])
+    cond, uncond = session.forward(codes, torch.arange(-1, 35).expand(2, -1), chain(36))
+    context = lumina.prompt_ids("a fox", (512, 512))
+    for row in range(2):
+        c = codes[row, 1:].tolist()
+        torch.testing.assert_close(cond[row], reference_logits(reference, context, c), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(uncond[row], reference_logits(reference, [8197, 8820, 8820], c),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_negative_prompt_replaces_unconditional_text(lumina):
+    session = lumina.start(GenerationRequest(prompt="a fox", negative_prompt="blurry", guidance=2.0))
+    assert session.guided
+    # the unconditional row's slot -1 position: its context minus the last token
+    assert int(session._base[1]) == len(lumina.prompt_ids("blurry", (512, 512))) - 1
+
+
+# ----------------------------------------------------------------------------- engine
+# Every lossless option is switched on in at least one run: left init, AC, PD, VP.
+LOSSLESS = {"sjd+left+ac": AccelerationSettings.preset("sjd", init="left", adaptive_continuation=True),
+            "pac+vp": AccelerationSettings.preset("pac+vp")}
+GREEDY_CFG = SamplingSettings(guidance=3.0, top_k=1)
+REQUEST = GenerationRequest(prompt="a red fox", batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def lumina_ar_codes(lumina):
+    ar = generate(lumina, REQUEST, GREEDY_CFG, AccelerationSettings.preset("ar"), seed=0)
+    assert ar.codes.shape == (1, 32, 32)
+    assert len(set(ar.codes.flatten().tolist())) > 5  # a real sequence, not one repeated code
+    return ar
+
+
+@pytest.mark.parametrize("mode", sorted(LOSSLESS))
+def test_greedy_codes_identical_to_ar(lumina, lumina_ar_codes, mode):
+    fast = generate(lumina, REQUEST, GREEDY_CFG, LOSSLESS[mode], seed=0)
+    assert torch.equal(fast.codes, lumina_ar_codes.codes)
+    assert fast.trace.summary()["nfe"] < lumina_ar_codes.trace.summary()["nfe"]
+
+
+def test_anole_batch_greedy_identical_to_ar(anole):
+    batch = GenerationRequest(prompt="a red fox", batch_size=2)
+    plain = SamplingSettings(top_k=1)
+    ar = generate(anole, batch, plain, AccelerationSettings.preset("ar"), seed=0)
+    fast = generate(anole, batch, plain, AccelerationSettings.preset("sjd"), seed=0)
+    assert torch.equal(fast.codes, ar.codes)
+
+
+def test_decode_shape_and_range(lumina):
+    codes = torch.randint(0, CHAMELEON_CODES, (2, 32, 32))
+    images = lumina.decode(codes)
+    # the tiny VQGAN has two levels (one 2x upsample); the real one has five (16x)
+    assert images.shape == (2, 64, 64, 3) and images.dtype == torch.float32
+    assert float(images.min()) >= 0.0 and float(images.max()) <= 1.0
+    assert float(images.std()) > 0.0
+    with pytest.raises(ValueError, match="codes must lie in"):
+        lumina.decode(torch.full((1, 32, 32), CHAMELEON_CODES))
+    emb = lumina.codebook_embeddings()
+    assert emb.shape == (CHAMELEON_CODES, 8)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_missing_vqgan_names_file_and_places(tmp_path):
+    folder = write_lumina(tmp_path / "Lumina-mGPT-7B-768", vqgan_inside=False)
+    with pytest.raises(FileNotFoundError) as err:
+        load_model(folder)
+    message = str(err.value)
+    assert "vqgan.yaml and vqgan.ckpt" in message
+    for place in VQGAN_PLACES:
+        assert str((folder / place).resolve()) in message
+    write_vqgan(tmp_path / "ckpts" / "chameleon" / "tokenizer")  # Lumina-mGPT's documented place
+    assert load_model(folder).family == "lumina-mgpt"
+
+
+def test_vqgan_checkpoint_with_code_is_refused(tmp_path, lumina_dir):
+    import shutil
+
+    folder = tmp_path / "Lumina-mGPT-7B-512"
+    shutil.copytree(lumina_dir, folder)
+    torch.save({"state_dict": _Executable()}, folder / "vqgan.ckpt")  # would run code if unpickled
+    with pytest.raises(ValueError, match="weights-only"):
+        load_model(folder)
+
+
+class _Executable:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_tokenizer_missing(tmp_path, anole_dir):
+    import shutil
+
+    folder = tmp_path / "anole"
+    shutil.copytree(anole_dir, folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_model(folder)
