@@ -50,9 +50,10 @@ def load_tokenizer(folder: Path, family: str):
 
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
                                                        "vocab.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{family} checkpoint {str(folder)!r} has no tokenizer: expected "
-                                f"tokenizer.json (and tokenizer_config.json) next to config.json; "
-                                f"download them with the weights.")
+        raise FileNotFoundError(f"{family} checkpoint {str(folder)!r} has no tokenizer: expected its "
+                                f"tokenizer files (tokenizer.json, or vocab.json + merges.txt, with "
+                                f"tokenizer_config.json) next to config.json; download them with the "
+                                f"weights.")
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
