@@ -172,3 +172,235 @@ def write_anole(folder: Path, seed: int = 1) -> Path:
     _write_chameleon(folder, lumina=False, seed=seed)
     write_vqgan(folder)
     return folder
+
+
+# =============================================================================== Emu3, Janus-Pro, LlamaGen
+def write_sparse_bpe_tokenizer(folder: Path, special: dict[str, int], config: dict) -> None:
+    """A byte-level BPE tokenizer (every byte a token, ids 0..255) with special tokens at given ids.
+
+    Unlike :func:`write_bpe_tokenizer`, the special and image tokens keep their real (sparse) ids,
+    so the tests check the ids the real checkpoints use."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update(special)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **config}, indent=1))
+
+
+def _sharpen_head(weight: torch.Tensor, factor: float) -> None:
+    """Scale an output head so random logits have clear maxima (greedy decoding is well defined)."""
+    with torch.no_grad():
+        weight.mul_(factor)
+
+
+EMU3_CODES = 64
+EMU3_SPECIAL = {"<|endoftext|>": 151643, "<|extra_200|>": 151846, "<|extra_201|>": 151847,
+                "<|extra_203|>": 151849, "<|extra_204|>": 151850, "<|image start|>": 151851,
+                "<|image end|>": 151852, "<|image token|>": 151853}
+
+
+def write_emu3(folder: Path, seed: int = 0, image_area: int = 64) -> Path:
+    """Tiny Emu3-Gen in the ``BAAI/Emu3-Gen-hf`` layout, with the real token ids.
+
+    Sharded bf16 safetensors + index, config with ``vocabulary_map``, a byte-level tokenizer whose
+    special and visual tokens sit at their real ids (code k = 151854 + k), preprocessor and
+    processor configs (``image_area`` 64 px^2 -> a 4x4 code grid at 1:1 with the 2x VQ).
+    """
+    from transformers import Emu3Config, Emu3ForConditionalGeneration
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = dict(EMU3_SPECIAL)
+    special.update({f"<|visual token {k:06d}|>": 151854 + k for k in range(EMU3_CODES)})
+    torch.manual_seed(seed)
+    config = Emu3Config(
+        text_config=dict(vocab_size=151854 + EMU3_CODES, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512),
+        vq_config=dict(codebook_size=EMU3_CODES, embed_dim=4, latent_channels=4, base_channels=32,
+                       channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[1],
+                       hidden_size=64, num_attention_heads=1),
+        vocabulary_map=special)
+    model = Emu3ForConditionalGeneration(config).eval()
+    _sharpen_head(model.lm_head.weight, 30.0)
+    model.to(torch.bfloat16).save_pretrained(str(folder), max_shard_size="4MB")
+    write_sparse_bpe_tokenizer(folder, special, {"bos_token": "<|extra_203|>", "eos_token": "<|extra_204|>",
+                                          "pad_token": "<|endoftext|>"})
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Emu3ImageProcessor", "image_mean": [0.5, 0.5, 0.5],
+         "image_std": [0.5, 0.5, 0.5], "spatial_factor": 8}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Emu3Processor", "image_area": image_area}))
+    return folder
+
+
+JANUS_CODES = 64
+JANUS_SPECIAL = {"<｜begin▁of▁sentence｜>": 100000, "<｜end▁of▁sentence｜>": 100001,
+                 "<｜▁pad▁｜>": 100015, "<begin_of_image>": 100016, "<end_of_image>": 100017,
+                 "<image_placeholder>": 100581}
+
+
+def write_janus(folder: Path, seed: int = 0) -> Path:
+    """Tiny Janus-Pro in the ``deepseek-community/Janus-Pro-1B`` layout, with the real token ids.
+
+    ``model.safetensors`` (bf16), config (vision 64 px / 16 px patches -> a 4x4 grid, VQ 2x ->
+    8 px images), ``generation_config.json`` with ``pad_token_id`` / ``boi_token_id`` as the
+    conversion script writes them, tokenizer, preprocessor config.
+    """
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = JanusConfig(
+        text_config=dict(model_type="llama", vocab_size=102400, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, bos_token_id=100000, eos_token_id=100001,
+                         pad_token_id=100001),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                           patch_size=16, projection_dim=32, depth=1, mlp_ratio=2.0),
+        vq_config=dict(embed_dim=8, num_embeddings=JANUS_CODES, latent_channels=32, base_channels=32,
+                       channel_multiplier=[1, 2], num_res_blocks=1, projection_dim=32,
+                       image_token_embed_dim=32, num_hidden_layers=2))
+    model = JanusForConditionalGeneration(config).eval()
+    _sharpen_head(model.model.generation_head.vision_head.weight, 300.0)
+    model.generation_config.pad_token_id = JANUS_SPECIAL["<｜▁pad▁｜>"]
+    model.generation_config.boi_token_id = JANUS_SPECIAL["<begin_of_image>"]
+    model.generation_config.guidance_scale = 5
+    model.to(torch.bfloat16).save_pretrained(str(folder))
+    write_sparse_bpe_tokenizer(folder, JANUS_SPECIAL, {
+        "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+        "pad_token": "<｜end▁of▁sentence｜>"})
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "JanusImageProcessor", "image_mean": [0.5, 0.5, 0.5],
+         "image_std": [0.5, 0.5, 0.5]}))
+    return folder
+
+
+def llamagen_vq_state(base: int = 32, mult: tuple[int, ...] = (1, 2), z: int = 32, codes: int = 64,
+                      code_dim: int = 8, res_blocks: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors named and shaped as LlamaGen's ``VQModel`` state dict (from its published layout)."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+
+    def conv(name, cin, cout, k):
+        sd[name + ".weight"] = torch.randn(cout, cin, k, k, generator=g) / (cin * k * k) ** 0.5
+        sd[name + ".bias"] = 0.01 * torch.randn(cout, generator=g)
+
+    def norm(name, c):
+        sd[name + ".weight"] = 1 + 0.1 * torch.randn(c, generator=g)
+        sd[name + ".bias"] = 0.1 * torch.randn(c, generator=g)
+
+    def res(name, cin, cout):
+        norm(name + ".norm1", cin)
+        conv(name + ".conv1", cin, cout, 3)
+        norm(name + ".norm2", cout)
+        conv(name + ".conv2", cout, cout, 3)
+        if cin != cout:
+            conv(name + ".nin_shortcut", cin, cout, 1)
+
+    def attn(name, c):
+        norm(name + ".norm", c)
+        for part in ("q", "k", "v", "proj_out"):
+            conv(f"{name}.{part}", c, c, 1)
+
+    last = len(mult) - 1
+    conv("encoder.conv_in", 3, base, 3)
+    c = base
+    for i, m in enumerate(mult):
+        for j in range(res_blocks):
+            res(f"encoder.conv_blocks.{i}.res.{j}", c, base * m)
+            c = base * m
+            if i == last:
+                attn(f"encoder.conv_blocks.{i}.attn.{j}", c)
+        if i != last:
+            conv(f"encoder.conv_blocks.{i}.downsample.conv", c, c, 3)
+    for coder in ("encoder", "decoder"):
+        mid = base * mult[-1]
+        res(f"{coder}.mid.0", mid, mid)
+        attn(f"{coder}.mid.1", mid)
+        res(f"{coder}.mid.2", mid, mid)
+    norm("encoder.norm_out", c)
+    conv("encoder.conv_out", c, z, 3)
+    c = base * mult[-1]
+    conv("decoder.conv_in", z, c, 3)
+    for n, i in enumerate(reversed(range(len(mult)))):
+        for j in range(res_blocks + 1):
+            res(f"decoder.conv_blocks.{n}.res.{j}", c, base * mult[i])
+            c = base * mult[i]
+            if i == last:
+                attn(f"decoder.conv_blocks.{n}.attn.{j}", c)
+        if i != 0:
+            conv(f"decoder.conv_blocks.{n}.upsample.conv", c, c, 3)
+    norm("decoder.norm_out", c)
+    conv("decoder.conv_out", c, 3, 3)
+    conv("quant_conv", z, code_dim, 1)
+    conv("post_quant_conv", code_dim, z, 1)
+    sd["quantize.embedding.weight"] = torch.randn(codes, code_dim, generator=g)
+    sd["quantize.codebook_used"] = torch.zeros(65536)
+    return sd
+
+
+def llamagen_gpt_state(kind: str = "c2i", dim: int = 64, n_layer: int = 2, n_head: int = 4,
+                       n_kv_head: int | None = None, vocab: int = 64, num_classes: int = 10,
+                       caption_dim: int = 16, cond_tokens: int = 8, seed: int = 0
+                       ) -> dict[str, torch.Tensor]:
+    """Random tensors named and shaped as LlamaGen's GPT ``Transformer`` state dict."""
+    g = torch.Generator().manual_seed(seed)
+    n_kv_head = n_kv_head or n_head
+    head_dim = dim // n_head
+    hidden = int(2 * 4 * dim / 3)
+    hidden = hidden + (-hidden) % 256  # LlamaGen's find_multiple(hidden, 256)
+
+    def w(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    sd = {"tok_embeddings.weight": torch.randn(vocab, dim, generator=g),
+          "norm.weight": 1 + 0.1 * torch.randn(dim, generator=g),
+          "output.weight": w(vocab, dim, scale=8.0)}
+    for i in range(n_layer):
+        p = f"layers.{i}."
+        sd[p + "attention.wqkv.weight"] = w((n_head + 2 * n_kv_head) * head_dim, dim, scale=2.0)
+        sd[p + "attention.wo.weight"] = w(dim, dim)
+        sd[p + "feed_forward.w1.weight"] = w(hidden, dim)
+        sd[p + "feed_forward.w3.weight"] = w(hidden, dim)
+        sd[p + "feed_forward.w2.weight"] = w(dim, hidden)
+        sd[p + "attention_norm.weight"] = 1 + 0.1 * torch.randn(dim, generator=g)
+        sd[p + "ffn_norm.weight"] = 1 + 0.1 * torch.randn(dim, generator=g)
+    if kind == "c2i":
+        sd["cls_embedding.embedding_table.weight"] = torch.randn(num_classes + 1, dim, generator=g)
+    else:
+        sd["cls_embedding.cap_proj.fc1.weight"] = w(dim, caption_dim)
+        sd["cls_embedding.cap_proj.fc2.weight"] = w(dim, dim)
+        sd["cls_embedding.uncond_embedding"] = torch.randn(cond_tokens, caption_dim, generator=g) / caption_dim ** 0.5
+    return sd
+
+
+def write_llamagen(folder: Path, kind: str = "c2i", image_size: int = 8, seed: int = 0,
+                        n_head: int = 4, class_names: bool = True) -> Path:
+    """Tiny LlamaGen in its release layout: ``{kind}_tiny_{size}.pt`` + ``vq_ds16_{kind}.pt``.
+
+    The GPT pickle holds ``{"model": state, "args": Namespace}`` like LlamaGen's training script;
+    the VQ pickle is a bare state dict. ``llamagen.json`` gives the head count (the tiny width is
+    not a published size); ``imagenet_classes.txt`` names the ten classes when ``class_names``.
+    """
+    import argparse
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    gpt = llamagen_gpt_state(kind, n_head=n_head, seed=seed)
+    torch.save({"model": gpt, "args": argparse.Namespace(gpt_model="GPT-tiny", image_size=image_size)},
+                folder / f"{kind}_tiny_{image_size}.pt")
+    torch.save(llamagen_vq_state(seed=seed + 1), folder / f"vq_ds16_{kind}.pt")
+    (folder / "llamagen.json").write_text(json.dumps({"n_head": n_head}))
+    if class_names and kind == "c2i":
+        names = ["tench, Tinca tinca", "goldfish, Carassius auratus", "great white shark", "tiger shark",
+                 "hammerhead", "electric ray", "stingray", "cock", "hen", "ostrich, Struthio camelus"]
+        (folder / "imagenet_classes.txt").write_text("\n".join(names) + "\n")
+    return folder
