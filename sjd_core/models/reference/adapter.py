@@ -1,0 +1,148 @@
+"""The embedded reference model behind the adapter protocol.
+
+A stock transformers ``LlamaForCausalLM`` over the sequence ``[class token, c_0 .. c_255]``: the
+class token is the slot -1 token (the context), the 256 codes of a 16x16 grid follow in raster
+order with no structural tokens. It runs through the shared :class:`HFSession` like the real
+families; only the vocabulary layout (codes first, then 10 class tokens, then the null class used
+as the unconditional context) and the decoder (a codebook of 2x2 patches) are its own.
+
+Prompts map to classes by the rule of :mod:`.prompts`. ``GenerationRequest.extra`` may hold
+``{"prompts": [...]}``, one prompt per batch row, instead of one prompt for all rows.
+The negative prompt, when given, names the class of the unconditional context (default: null).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..hf_session import Context, DecoderParts, HFSession
+from ..loader import input_device, load_transformers_model, resolve_device_dtype, safetensors_files
+from ..protocol import GenerationRequest, SamplingDefaults
+from . import codebook as cb
+from .prompts import ClassVocabulary
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DESCRIPTION = "reference.json"
+FAMILY = "reference"
+
+
+def is_reference_folder(path: Path | str) -> bool:
+    """True when ``path`` holds a reference model (its ``reference.json`` names the family)."""
+    meta = Path(path) / DESCRIPTION
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("family") == FAMILY
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+class ReferenceModel:
+    """Fashion-MNIST class-conditional image model (32x32 pixels, 16x16 codes, 512 codes)."""
+
+    family = FAMILY
+
+    def __init__(self, folder: Path | str = WEIGHTS_DIR, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, device_map: str | dict | None = None) -> None:
+        """Load a reference model folder with the loader's shared rules (device, dtype, device_map)."""
+        folder = Path(folder)
+        missing = [name for name in (DESCRIPTION, "config.json", "model.safetensors",
+                                     "codebook.safetensors") if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{folder} is not a complete reference model folder: missing {', '.join(missing)}. "
+                "Retrain it with `python -m sjd_core.models.reference.train --out FOLDER`.")
+        meta = json.loads((folder / DESCRIPTION).read_text())
+        device, dtype = resolve_device_dtype(device, dtype)
+        self.folder = folder
+        self.dtype = dtype
+        self.classes = ClassVocabulary(meta["classes"], meta["synonyms"])
+        self.codebook_size = int(meta["codebook_size"])
+        self.class_offset = int(meta["class_token_offset"])
+        self.null_token = int(meta["null_class_token"])
+        self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
+        self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
+        self.defaults = SamplingDefaults(**meta["defaults"])
+        config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
+        self.network = load_transformers_model(LlamaForCausalLM, config, safetensors_files(folder),
+                                               device, dtype, device_map)
+        self.device = input_device(self.network)
+        self.codebook = load_file(str(folder / "codebook.safetensors"))["codebook"].float()
+        if self.codebook.shape[0] != self.codebook_size:
+            raise ValueError(f"{folder}: codebook.safetensors has {self.codebook.shape[0]} codes, "
+                             f"{DESCRIPTION} says {self.codebook_size}.")
+        code_head = self.network.lm_head.weight[: self.codebook_size]
+        embed = self.network.model.embed_tokens
+        self.parts = DecoderParts(
+            backbone=self.network.model,
+            embed_tokens=embed,
+            embed_codes=embed,  # codes are token ids 0..codebook_size-1
+            code_logits=lambda hidden: torch.nn.functional.linear(hidden, code_head),
+            row_end_id=None,
+            device=self.device,
+            dtype=dtype,
+            cache_config=self.network.config,
+        )
+
+    def supported_resolutions(self) -> list[tuple[int, int]]:
+        """Only the training size, 32x32 pixels."""
+        return [self.pixels]
+
+    def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
+        """(16, 16) for 32x32 pixels (or None); anything else is a ValueError."""
+        if resolution is not None and tuple(resolution) != self.pixels:
+            raise ValueError(f"resolution={resolution!r} is not allowed: the reference model draws "
+                             f"only {self.pixels[0]}x{self.pixels[1]} pixels (width, height).")
+        return self.grid
+
+    def codebook_embeddings(self) -> torch.Tensor:
+        """(512, 4) pixel values of each code's 2x2 patch (what a code looks like), on the model's device."""
+        return self.codebook.to(self.device)
+
+    def class_of(self, prompt: str, input_name: str = "prompt") -> int | None:
+        """Class index of a prompt (None = unconditional); ValueError listing the names."""
+        return self.classes.resolve(prompt, input_name)
+
+    def _token(self, index: int | None) -> torch.Tensor:
+        return torch.tensor([self.null_token if index is None else self.class_offset + index])
+
+    def start(self, request: GenerationRequest) -> HFSession:
+        """One-token contexts: the class token (cond) and the null or negative class (uncond)."""
+        self.grid_for(request.resolution)
+        batch = request.batch_size
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch_size={batch!r} is not allowed: it must be an integer >= 1.")
+        prompts = request.extra.get("prompts", [request.prompt] * batch)
+        if isinstance(prompts, str) or len(prompts) != batch:
+            raise ValueError(f"extra['prompts']={prompts!r} is not allowed: it must be a list of "
+                             f"batch_size={batch} prompts, one per image.")
+        cond = [Context(ids=self._token(self.class_of(p, f"prompt[{i}]" if "prompts" in request.extra
+                                                      else "prompt")))
+                for i, p in enumerate(prompts)]
+        uncond = None
+        if request.guidance != 1.0:
+            negative = self.class_of(request.negative_prompt, "negative_prompt")
+            uncond = [Context(ids=self._token(negative)) for _ in range(batch)]
+        return HFSession(self.parts, cond, uncond, self.grid)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """(B, 16, 16) codes -> (B, 32, 32, 3) grey images in [0, 1] (garment light on dark)."""
+        if codes.ndim != 3 or tuple(codes.shape[1:]) != self.grid:
+            raise ValueError(f"codes of shape {tuple(codes.shape)} are not allowed: the reference "
+                             f"model decodes (B, {self.grid[0]}, {self.grid[1]}) code grids.")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size):
+            raise ValueError(f"codes must lie in [0, {self.codebook_size}); got values in "
+                             f"[{int(codes.min())}, {int(codes.max())}].")
+        grey = cb.decode(codes.cpu(), self.codebook)
+        return grey[..., None].expand(-1, -1, -1, 3).contiguous().float()
+
+
+def build(path: Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+          device_map: str | dict | None = None) -> ReferenceModel:
+    """The loader's entry point for the ``reference`` family."""
+    return ReferenceModel(path, device=device, dtype=dtype, device_map=device_map)
