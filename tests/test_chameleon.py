@@ -8,8 +8,8 @@ from sjd_core.models.chameleon import VQGAN_PLACES
 from sjd_core.models.loader import load_model
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.settings import AccelerationSettings, SamplingSettings
-from tests.tiny_checkpoints import (CHAMELEON_CODES, chameleon_reference, write_anole, write_lumina,
-                                    write_vqgan)
+from tests.tiny_checkpoints import (CHAMELEON_CODES, cached_copy, chameleon_reference, write_anole,
+                                    write_lumina, write_vqgan)
 
 torch.set_num_threads(1)
 WIDTH = 32  # codes per row at 512 px
@@ -17,12 +17,12 @@ WIDTH = 32  # codes per row at 512 px
 
 @pytest.fixture(scope="module")
 def lumina_dir(tmp_path_factory):
-    return write_lumina(tmp_path_factory.mktemp("models") / "Lumina-mGPT-7B-512")
+    return cached_copy(write_lumina, tmp_path_factory.mktemp("models") / "Lumina-mGPT-7B-512")
 
 
 @pytest.fixture(scope="module")
 def anole_dir(tmp_path_factory):
-    return write_anole(tmp_path_factory.mktemp("models") / "Anole-7b-v0.1-hf")
+    return cached_copy(write_anole, tmp_path_factory.mktemp("models") / "Anole-7b-v0.1-hf")
 
 
 @pytest.fixture(scope="module")

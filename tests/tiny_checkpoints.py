@@ -9,8 +9,12 @@ tokenizer files, decoder files), only with tiny dimensions, so tests load them t
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -51,6 +55,20 @@ def write_bpe_tokenizer(folder: Path, special_tokens: list[str], corpus: list[st
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
         "pad_token": pad, "unk_token": unk, "model_max_length": 4096}, indent=1))
     return tok.get_vocab()
+
+
+_WRITTEN: dict[tuple, Path] = {}
+
+
+def cached_copy(writer: Callable[..., Path], folder: Path, **kwargs) -> Path:
+    """``writer(folder, **kwargs)``, but written once per test process and copied after that."""
+    key = (writer.__name__, folder.name, tuple(sorted(kwargs.items())))
+    if key not in _WRITTEN:
+        store = Path(tempfile.mkdtemp(prefix="sjd-tiny-"))
+        atexit.register(shutil.rmtree, store, True)
+        _WRITTEN[key] = writer(store / folder.name, **kwargs)
+    shutil.copytree(_WRITTEN[key], folder)
+    return folder
 
 
 CORPUS = ["Generate an image of 512x512 according to the following prompt:\n",
