@@ -109,13 +109,18 @@ class Emu3Model:
                 + encode(self.tokenizer, f"{rows}*{cols}") + [self.image_marker_id])
 
     def parts(self) -> DecoderParts:
-        text_model = self.model.model.text_model
-        head = self.model.lm_head.weight
+        text_model, lm_head = self.model.model.text_model, self.model.lm_head
         start, end = self.code_offset, self.code_offset + self.codebook_size
+
+        def code_logits(hidden: torch.Tensor) -> torch.Tensor:
+            if lm_head.weight.is_meta:  # offloaded by a device_map: only the module's hook loads it
+                return lm_head(hidden)[..., start:end]
+            return F.linear(hidden, lm_head.weight[start:end])  # just the codebook's rows of the head
+
         return DecoderParts(
             backbone=text_model, embed_tokens=text_model.embed_tokens,
             embed_codes=lambda codes: text_model.embed_tokens(codes + start),
-            code_logits=lambda hidden: F.linear(hidden, head[start:end].to(hidden.device)),
+            code_logits=code_logits,
             row_end_id=self.row_end_id, device=self.device, dtype=self.dtype,
             cache_config=self.model.config.text_config)
 

@@ -116,10 +116,10 @@ class LlamaGenModel:
                          f"{str(self.folder / CLASS_NAMES_FILE)!r}.")
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
-        embedder = self.model.cond_embedder
-        weight = next(embedder.parameters())
-        inputs = inputs.to(weight.device, weight.dtype if inputs.is_floating_point() else None)
-        return embedder(inputs).to(self.device, self.dtype)
+        weight = next(self.model.cond_embedder.parameters())
+        device = self.device if weight.is_meta else weight.device  # meta: offloaded, its hook loads it
+        inputs = inputs.to(device, self.dtype if inputs.is_floating_point() else None)
+        return self.model.cond_embedder(inputs).to(self.device, self.dtype)
 
     def _class_contexts(self, request: GenerationRequest) -> tuple[list[Context], list[Context] | None]:
         labels = torch.tensor([self.class_index(request.prompt), self.spec.num_classes])
