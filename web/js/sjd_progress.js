@@ -24,6 +24,7 @@ function findNode(id) {
 
 function makeBox(node, name, minHeight) {
   const box = document.createElement("div");
+  box.className = name.replace("_", "-");
   box.style.cssText =
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
