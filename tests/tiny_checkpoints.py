@@ -86,18 +86,11 @@ CHAMELEON_TOP_ID = 8804 + 1024 // 32  # the largest size token
 CHAMELEON_VOCAB = 9300
 
 
-def _img_name(code: int) -> str:
-    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
-
-
 def chameleon_special_tokens() -> list[str]:
     """Names of ids 0..CHAMELEON_TOP_ID, in id order."""
-    names = ["<s>", "<pad>", "</s>", "<unk>"]
-    names += [_img_name(k) for k in range(CHAMELEON_CODES)]
-    names += [f"<unused{i}>" for i in range(4 + CHAMELEON_CODES, 8196)]
-    names += ["<eoss>", "<racm3:break>"]
-    names += [f"<reserved{i - 4:05d}>" for i in range(8198, CHAMELEON_TOP_ID + 1)]
-    return names
+    from sjd_core.models.chameleon import synthetic_vocabulary
+
+    return list(synthetic_vocabulary(CHAMELEON_CODES, CHAMELEON_TOP_ID + 1))
 
 
 def write_vqgan(folder: Path, codes: int = CHAMELEON_CODES, seed: int = 0) -> None:

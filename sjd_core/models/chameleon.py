@@ -37,7 +37,7 @@ from .loader import (input_device, load_transformers_model, register_family, res
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
-__all__ = ["ChameleonImageModel", "VQGAN_PLACES", "find_vqgan", "LUMINA", "ANOLE"]
+__all__ = ["ChameleonImageModel", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary", "LUMINA", "ANOLE"]
 
 LUMINA, ANOLE = "lumina-mgpt", "anole"
 PIXELS_PER_CODE = 16
@@ -51,6 +51,21 @@ PROMPT_TEMPLATE = "Generate an image of {w}x{h} according to the following promp
 # models; Lumina-mGPT's README (``ckpts/chameleon/tokenizer``) and code (``ckpts/image_tokenizer``).
 VQGAN_PLACES = (".", "tokenizer", "../chameleon_vqgan", "../ckpts/chameleon/tokenizer",
                 "../ckpts/image_tokenizer/chameleon")
+
+
+def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 1024 // SIZE_UNIT + 1) -> dict[str, int]:
+    """Token names of ids ``0..size-1`` in the released layout, for randomly initialised models.
+
+    ``<s> <pad> </s> <unk>``, then ``codes`` ``IMGIMG`` image tokens from id 4 (a name spells its
+    code with the letters A-J for the digits 0-9, then ``Z``), placeholders up to 8195,
+    ``<eoss>`` (8196), ``<racm3:break>`` (8197), and ``<reserved{id - 4:05d}>`` after that.
+    """
+    names = ["<s>", "<pad>", "</s>", "<unk>"]
+    names += ["IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(k)) + "Z" for k in range(codes)]
+    names += [f"<unused{i}>" for i in range(4 + codes, 8196)]
+    names += ["<eoss>", "<racm3:break>"]
+    names += [f"<reserved{i - 4:05d}>" for i in range(8198, size)]
+    return {name: i for i, name in enumerate(names)}
 
 
 def find_vqgan(folder: Path) -> tuple[Path, Path]:
