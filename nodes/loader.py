@@ -15,6 +15,9 @@ from .handles import MODEL_TYPE, LoadedModel
 REFERENCE = "reference (embedded)"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MANAGED = "ComfyUI managed"
+SPLIT = "split GPU/CPU (device_map auto)"
+PLACEMENTS = (MANAGED, SPLIT)
 
 
 def available_models() -> dict[str, Path]:
@@ -72,6 +75,13 @@ class SJDModelLoader:
                 "default": "auto",
                 "tooltip": "Weight precision. auto follows ComfyUI (bf16 on GPUs that run it "
                            "well, else fp16 where that works, fp32 on the CPU)."}),
+            "placement": (list(PLACEMENTS), {
+                "default": MANAGED,
+                "tooltip": "ComfyUI managed: the whole model on ComfyUI's device, offloaded and "
+                           "unloaded by ComfyUI like its own models. split: for models larger "
+                           "than the GPU, layers are spread over GPU, CPU and disk once at load "
+                           "(exact, slower); ComfyUI then cannot move it, so unload other models "
+                           "first. Has no effect with --cpu."}),
         }}
 
     @classmethod
@@ -79,7 +89,7 @@ class SJDModelLoader:
         # Runs instead of ComfyUI's own list check, so a missing model gets a message that helps.
         return True if model in available_models() else missing_model_message(model)
 
-    def load(self, model: str, dtype: str) -> tuple[LoadedModel, str]:
+    def load(self, model: str, dtype: str, placement: str = MANAGED) -> tuple[LoadedModel, str]:
         """Load ``model`` on ComfyUI's device and wrap it for ComfyUI's memory manager."""
         path = available_models().get(model)
         if path is None:
@@ -87,17 +97,24 @@ class SJDModelLoader:
         if dtype not in DTYPES:
             raise ValueError(f"SJD Model Loader: dtype={dtype!r} is not allowed: pick one of "
                              f"{list(DTYPES)}.")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"SJD Model Loader: placement={placement!r} is not allowed: pick "
+                             f"one of {list(PLACEMENTS)}.")
         device = comfy_bridge.torch_device()
         torch_dtype = DTYPES[dtype] or comfy_bridge.auto_dtype(device)
+        split = placement == SPLIT and device.type != "cpu"
         try:
-            adapter = load_model(path, device=device, dtype=torch_dtype)
+            adapter = load_model(path, device=device, dtype=torch_dtype,
+                                 device_map="auto" if split else None)
         except (FileNotFoundError, ValueError) as error:
             raise type(error)(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
-        patcher = comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)
+        patcher = None if split else \
+            comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)
         loaded = LoadedModel(adapter, patcher, model, torch_dtype)
         resolutions = ", ".join(f"{w}x{h}" for w, h in adapter.supported_resolutions())
+        where = "split over GPU/CPU/disk" if split else str(device)
         info = (f"{model}: family {adapter.family}, {str(torch_dtype).removeprefix('torch.')} on "
-                f"{device}; resolutions {resolutions} (first = default); family recipe: "
+                f"{where}; resolutions {resolutions} (first = default); family recipe: "
                 f"guidance {adapter.defaults.guidance}, temperature {adapter.defaults.temperature},"
                 f" top-k {adapter.defaults.top_k}, top-p {adapter.defaults.top_p}")
         return loaded, info

@@ -19,9 +19,11 @@ NODE = "SJD Sampler"
 MODES = {"PAC+VP": "pac+vp", "PAC": "pac", "SJD": "sjd", "AR": "ar", "custom": None}
 DEFAULT_MODE = "PAC+VP"
 SAMPLING_CHOICES = ("family recipe", "custom")
-# Resolutions some family draws; the model decides at run time and names its own list on error.
-RESOLUTIONS = ("default", "32x32", "256x256", "384x384", "512x512", "720x720", "768x768",
-               "1024x1024")
+# Sizes the families draw (reference; LlamaGen; Janus-Pro; Lumina-mGPT and Anole; Emu3 at its
+# default 720x720 area in its seven aspect ratios). The loaded model decides at run time and names
+# its own list when a size is not among them.
+RESOLUTIONS = ("default", "32x32", "256x256", "384x384", "512x512", "768x768", "1024x1024",
+               "720x720", "832x624", "624x832", "960x544", "544x960", "880x584", "584x880")
 PROGRESS_EVENT = "sjd.progress"
 DONE_EVENT = "sjd.done"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews

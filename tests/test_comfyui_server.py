@@ -96,7 +96,9 @@ def test_text_to_image_workflow_runs(server, object_info):
     assert sum(progress[-1]["committed"]) == REFERENCE_CODES
     assert sum(sum(m["accepted"]) for m in progress) == REFERENCE_CODES
     assert listener.previews >= 1, "no live preview frame reached the browser"
-    assert any(m["node"] == sampler for m in listener.of("progress"))
+    bar = [m for m in listener.of("progress") if m["node"] == sampler]
+    assert [m["value"] for m in bar] == [sum(m["committed"]) for m in progress]
+    assert bar[-1]["value"] == bar[-1]["max"] == REFERENCE_CODES
     saved = entry["outputs"][nodes_of(prompt, "SaveImage")[0]]["images"]
     assert len(saved) == 1
     pixels = fetch_image(server, saved[0])
