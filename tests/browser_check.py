@@ -2,7 +2,8 @@
 
 Starts a ComfyUI with the pack (tests/comfyui_harness.py), opens its page, loads the template
 ``workflows/sjd_text_to_image_reference.json`` from its file, queues it, waits for the saved image
-and the sampler's chart, checks what the page shows, and saves a screenshot.
+and the sampler's chart, queues it again (a cached re-run, which sends no progress), checks what
+the page shows, and saves a screenshot.
 
 One-time setup (no browser download: Playwright drives the system chromium):
     apt-get install chromium
@@ -58,6 +59,14 @@ def check(out: Path, workflow: Path = WORKFLOW, timeout: float = 240.0) -> dict:
             "document.querySelector('.sjd-chart')?.textContent.includes('forward passes')",
             timeout=30_000)
         chart_text = page.locator(".sjd-chart").inner_text()
+        # The same prompt again is served from ComfyUI's cache: the chart must say so and keep
+        # showing the run that made the result.
+        page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
+        page.wait_for_function(
+            "document.querySelector('.sjd-chart')?.textContent.includes('cached')",
+            timeout=60_000)
+        cached_text = page.locator(".sjd-chart").inner_text()
+        assert "forward passes" in cached_text, cached_text
         image = page.evaluate(f"window.app.nodeOutputs['{save_id}'].images[0]")
         # Frame the graph so that every node is in the picture.
         page.evaluate("() => { const c = window.app.canvas; c.ds.scale = 0.75; "
@@ -68,7 +77,8 @@ def check(out: Path, workflow: Path = WORKFLOW, timeout: float = 240.0) -> dict:
         browser.close()
     assert not errors, f"page errors: {errors}"
     return {"screenshot": str(out), "image": image, "seconds": round(elapsed, 1),
-            "chart": chart_text, "sampler_node": sampler_id}
+            "chart": chart_text, "chart_after_cached_rerun": cached_text,
+            "sampler_node": sampler_id}
 
 
 def main() -> None:
