@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 import torch
 from PIL import Image
@@ -242,15 +241,15 @@ class SJDSampler:
             except ValueError as error:
                 raise ValueError(f"{NODE}: {error}") from error
         summary = result.trace.summary()
-        run = RunInfo(run_id=summary.get("run_id") or uuid.uuid4().hex, model_name=model.name,
+        run = RunInfo(run_id=summary["run_id"], model_name=model.name,
                       family=adapter.family, prompt=prompt, negative_prompt=negative_prompt,
                       resolution=size, batch_size=batch_size, seed=seed,
                       mode=acceleration.mode_name)
         line = summary_line(summary)
-        comfy_bridge.send(DONE_EVENT, {"node": unique_id, "summary": _jsonable(summary),
+        comfy_bridge.send(DONE_EVENT, {"node": unique_id, "summary": summary,
                                        "accepted": watcher.accepted, "text": line})
         return {
-            "ui": {"sjd_summary": [_jsonable(summary)], "sjd_accepted": watcher.accepted,
+            "ui": {"sjd_summary": [summary], "sjd_accepted": watcher.accepted,
                    "sjd_text": [line]},
             "result": (SamplerCodes(result.codes, model, run), SamplerTrace(result.trace, run),
                        line),
@@ -278,12 +277,6 @@ def summary_line(summary: dict) -> str:
             f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
-
-
-def _jsonable(summary: dict) -> dict:
-    """The summary with numpy scalars turned into plain numbers (for the websocket and history)."""
-    return {key: (value.item() if hasattr(value, "item") else value)
-            for key, value in summary.items()}
 
 
 class _LiveProgress:
