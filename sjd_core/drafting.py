@@ -1,0 +1,260 @@
+"""How drafts are made: init rules, SJD re-draws, AC coupling, PD trees and VP fusion.
+
+The window holds, for offsets ``j = 0 .. L-1`` after the committed prefix, a draft token and the
+distribution ``q_j`` it was really drawn from. The verifier tests drafts against ``q_j``; keeping
+that pairing honest is what makes every mode here exact (ALGORITHMS.md, exactness lemma).
+All functions work on whole (B, L, V) tensors: no loop over slots, no device reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import MIN_MASS, race, race_top, residual
+from .settings import AccelerationSettings
+
+_LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The fixed shape of the nodes fed in one iteration, built once per settings.
+
+    Node 0 is the root (the last committed token, depth 0). With proactive drafting every node of
+    depth ``d < pd_depth - 1`` has ``K`` children, the candidates of window offset ``d``; past the
+    tree a single chain continues from the main path (candidate 0 at every level) to depth
+    ``window - 1``. Without PD the whole window is that chain. Nodes are in breadth-first order.
+    """
+
+    window: int
+    tree_levels: int  # offsets 0 .. tree_levels-1 carry K candidates
+    branching: int
+    parent: torch.Tensor  # (T,) -1 for the root
+    depth: torch.Tensor  # (T,)
+    flat_source: torch.Tensor  # (T,) index into [tree candidates flattened, window tokens]
+    children: torch.Tensor  # (T, branching) child node ids, -1 where absent
+    ancestors: torch.Tensor  # (T, T) bool, ancestors and self
+    route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
+
+    @property
+    def size(self) -> int:
+        return int(self.parent.numel())
+
+    @staticmethod
+    def build(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
+        """Shape for ``settings``: a chain of ``window`` nodes, or the PD tree plus a chain.
+
+        ``route[v, t]`` is the ancestor of ``v`` at depth ``t`` for ``t <= depth(v)``, and below
+        ``v`` the first-candidate descendant (then the chain): the nodes whose outputs give the
+        stale distributions of the slots after a path that ends at ``v``.
+        """
+        window = settings.window
+        levels = settings.pd_depth - 1 if settings.proactive_drafting else 0
+        branching = settings.pd_candidates if levels else 1
+        parent, depth, source = [-1], [0], [-1]
+        children: list[list[int]] = [[]]
+        level_nodes = [0]
+        main = [0]
+        tree_slots = levels * branching
+        for d in range(1, window):
+            new_level = []
+            parents = level_nodes if d <= levels else [main[-1]]
+            for p in parents:
+                for rank in range(branching if d <= levels else 1):
+                    node = len(parent)
+                    parent.append(p)
+                    depth.append(d)
+                    source.append((d - 1) * branching + rank if d <= levels
+                                  else tree_slots + d - 1)
+                    children.append([])
+                    children[p].append(node)
+                    new_level.append(node)
+            level_nodes = new_level
+            main.append(children[main[-1]][0])
+        size = len(parent)
+        child_table = torch.full((size, branching), -1, dtype=torch.long)
+        for node, kids in enumerate(children):
+            child_table[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+        ancestors = torch.zeros(size, size, dtype=torch.bool)
+        route = torch.zeros(size, window, dtype=torch.long)
+        for node in range(size):
+            walk = node
+            while walk >= 0:
+                ancestors[node, walk] = True
+                route[node, depth[walk]] = walk
+                walk = parent[walk]
+            below = node
+            for d in range(depth[node] + 1, window):
+                below = children[below][0] if children[below] else main[d]
+                route[node, d] = below
+        to = dict(device=device)
+        return DraftTree(window, levels, branching, torch.tensor(parent, **to),
+                         torch.tensor(depth, **to), torch.tensor(source, **to).clamp_min(0),
+                         child_table.to(device), ancestors.to(device), route.to(device))
+
+
+@dataclass
+class WindowState:
+    """Drafts for window offsets 0..L-1 and, for VP, each slot's probability history."""
+
+    tokens: torch.Tensor  # (B, L) first-candidate draft per offset
+    q: torch.Tensor  # (B, L, V) what each draft was drawn from
+    vp_mean: torch.Tensor | None = None  # (B, L, V) exponentially weighted past distributions
+    vp_last: torch.Tensor | None = None  # (B, L, V) last iteration's distribution
+    vp_rises: torch.Tensor | None = None  # (B, L, V) consecutive rises per code
+    vp_known: torch.Tensor | None = None  # (B, L) whether the slot has a history yet
+
+
+def tested_distribution(drawn_from: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The q a new draft will be verified against: the distribution it was drawn from.
+
+    ``target`` is the stale model distribution the draft was derived from. Verifying against it
+    instead of ``drawn_from`` (as the SJD-VP paper appears to do) is not exact; this is the one
+    place where that choice is made, and the exactness tests show what replacing it would break.
+    """
+    return drawn_from
+
+
+def initial_drafts(rule: str, anchor: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor,
+                   fill: torch.Tensor, first_slot: torch.Tensor, grid_width: int,
+                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts and q for slots entering the window (``fill`` True), by the init rule.
+
+    ``uniform``: a uniform random code, q uniform. ``left``: the code to the left in the same
+    row (the last committed code, an earlier draft or a copy of one), q one-hot; slots in the
+    first column fall back to uniform. Other offsets keep their ``tokens`` and ``q``.
+    """
+    batch, window, vocab = noise.shape
+    uniform_q = torch.full((batch, window, vocab), 1.0 / vocab, device=noise.device)
+    random_tokens = race(uniform_q, noise)
+    if rule == "uniform":
+        return (torch.where(fill, random_tokens, tokens),
+                torch.where(fill[..., None], uniform_q, q))
+    offsets = torch.arange(window, device=noise.device)
+    first_column = (first_slot[:, None] + offsets) % grid_width == 0
+    own = torch.where(fill & first_column, random_tokens, tokens)
+    is_source = ~fill | first_column
+    line = torch.cat([anchor[:, None], own], dim=1)
+    positions = torch.arange(window + 1, device=noise.device).expand(batch, -1)
+    sources = torch.where(torch.cat([torch.ones_like(is_source[:, :1]), is_source], 1),
+                          positions, torch.zeros_like(positions))
+    copied = line.gather(1, sources.cummax(dim=1).values)[:, 1:]
+    init_q = torch.where(first_column[..., None], uniform_q,
+                         torch.nn.functional.one_hot(copied, vocab).float())
+    return copied, torch.where(fill[..., None], init_q, q)
+
+
+def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and validity of every fed node except the root, from the window drafts.
+
+    Tree offsets get ``K`` candidates without replacement from their q: the current draft first
+    (drawn from q, or AC-coupled to it), the others by an exponential race over q with the draft
+    removed. A candidate is invalid when q has no mass left for it (e.g. a one-hot q).
+    Returns (B, T) node tokens (root position left 0) and (B, T) validity.
+    """
+    batch, window = state.tokens.shape
+    if tree.tree_levels:
+        levels = tree.tree_levels
+        first = state.tokens[:, :levels]
+        q_tree = state.q[:, :levels]
+        rest = q_tree.scatter(-1, first[..., None], 0.0)
+        others = race_top(rest, noise, tree.branching - 1)
+        candidates = torch.cat([first[..., None], others], dim=-1)
+        usable = (rest.gather(-1, others) > MIN_MASS).to(torch.int8).cumprod(-1).bool()
+        valid = torch.cat([torch.ones_like(first[..., None], dtype=torch.bool), usable], dim=-1)
+        flat_tokens = torch.cat([candidates.flatten(1), state.tokens], dim=1)
+        flat_valid = torch.cat([valid.flatten(1), torch.ones_like(state.tokens, dtype=torch.bool)], 1)
+    else:
+        flat_tokens = state.tokens
+        flat_valid = torch.ones_like(state.tokens, dtype=torch.bool)
+    source = tree.flat_source.expand(batch, -1)
+    return flat_tokens.gather(1, source), flat_valid.gather(1, source)
+
+
+def predict_verification(targets: torch.Tensor, state: WindowState, known: torch.Tensor,
+                         settings: AccelerationSettings) -> tuple[torch.Tensor, WindowState]:
+    """SJD-VP: bias each slot's draft distribution towards codes whose probability keeps rising.
+
+    ``S = log p_t - log pbar``; codes among the ``vp_top_k`` most likely whose probability rose
+    ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
+    ``q' = softmax``. ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
+    history already shifted to the new window; ``known`` marks slots that have one.
+    Returns q' (B, L, V) and the updated history.
+    """
+    known3 = known[..., None]
+    mean = torch.where(known3, state.vp_mean, targets)
+    last = torch.where(known3, state.vp_last, targets)
+    rises = torch.where(known3 & (targets > last), state.vp_rises + 1,
+                        torch.zeros_like(state.vp_rises))
+    log_p = torch.log(targets.clamp_min(0.0))
+    growth = log_p - torch.log(mean).clamp_min(_LOG_FLOOR)
+    top = min(settings.vp_top_k, targets.shape[-1])
+    kth = torch.topk(targets, top, dim=-1).values[..., -1:]
+    boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
+    fused = torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1)
+    decay = settings.vp_decay
+    history = WindowState(state.tokens, state.q, decay * mean + (1 - decay) * targets,
+                          targets, rises, torch.ones_like(known))
+    return fused, history
+
+
+def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, torch.Tensor]:
+    """Move every row's window forward by its commit count; returns the state and in-range mask."""
+    batch, window = state.tokens.shape
+    offsets = torch.arange(window, device=shift.device) + shift[:, None]
+    in_range = offsets < window
+    index = offsets.clamp_max(window - 1)
+
+    def take(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        if x.dim() == 2:
+            return x.gather(1, index)
+        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+    known = None if state.vp_known is None else take(state.vp_known) & in_range
+    return WindowState(take(state.tokens), take(state.q), take(state.vp_mean),
+                       take(state.vp_last), take(state.vp_rises), known), in_range
+
+
+def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
+            settings: AccelerationSettings, uniforms: torch.Tensor, noise: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, WindowState]:
+    """New drafts for the uncommitted slots that have a (stale) target distribution.
+
+    ``state`` is already shifted to the new window. Without AC each draft is drawn afresh from
+    the draw distribution (the target, or VP's q'); with AC the old draft is kept when
+    ``u * q_old(d) <= q'(d)`` and otherwise replaced by a draw from ``norm(max(0, q' - q_old))``,
+    the maximal coupling, so the new draft is distributed exactly as q'. Returns tokens, their q
+    and the VP history (unchanged without VP). Slots without a target are left for the init rule.
+    """
+    if settings.verification_prediction:
+        draw_from, state = predict_verification(targets, state, state.vp_known & has_target,
+                                                settings)
+    else:
+        draw_from = targets
+    if settings.adaptive_continuation:
+        old = state.tokens[..., None]
+        keep = uniforms * state.q.gather(-1, old).squeeze(-1) <= draw_from.gather(-1, old).squeeze(-1)
+        replacement = race(residual(draw_from, state.q), noise)
+        tokens = torch.where(keep, state.tokens, replacement)
+    else:
+        tokens = race(draw_from, noise)
+    q = tested_distribution(draw_from, targets)
+    tokens = torch.where(has_target, tokens, state.tokens)
+    q = torch.where(has_target[..., None], q, state.q)
+    if settings.verification_prediction:
+        state.vp_known = state.vp_known & has_target
+    return tokens, q, state
+
+
+def empty_history(batch: int, window: int, vocab: int, device: torch.device
+                  ) -> tuple[torch.Tensor, ...]:
+    """Zeroed VP history (mean, last, rises, known) for a fresh window."""
+    zeros = torch.zeros(batch, window, vocab, device=device)
+    return (zeros, zeros.clone(), torch.zeros(batch, window, vocab, device=device, dtype=torch.int32),
+            torch.zeros(batch, window, dtype=torch.bool, device=device))
+

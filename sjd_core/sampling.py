@@ -1,0 +1,96 @@
+"""Logits -> target distribution, and the sampling helpers every mode shares.
+
+``process`` is the one definition of the target distribution (CFG on raw logits, temperature,
+top-k, top-p): plain autoregression and every speculative mode call it, so "lossless" has a single
+meaning. Sampling uses exponential races (``argmax(p / E)`` with ``E ~ Exp(1)``), which need no
+device synchronisation and, taken as a top-k, draw without replacement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .settings import SamplingSettings
+
+MIN_MASS = 1e-12  # below this a distribution's mass counts as empty (see ``normalise``)
+
+
+def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
+            settings: SamplingSettings) -> torch.Tensor:
+    """Target probabilities (float32, same shape as the logits) from raw codebook logits.
+
+    Order: ``l = l_u + s * (l_c - l_u)`` (only when unconditional logits are given), divide by the
+    temperature, keep the ``top_k`` largest, keep the smallest set whose mass reaches ``top_p``.
+    """
+    logits = cond_logits.float()
+    if uncond_logits is not None:
+        uncond = uncond_logits.float()
+        logits = uncond + settings.guidance * (logits - uncond)
+    logits = logits / settings.temperature
+    vocab = logits.shape[-1]
+    if 0 < settings.top_k < vocab:
+        kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= settings.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``weights / weights.sum()`` along the last axis; ``fallback`` where the mass is ~0."""
+    mass = weights.sum(-1, keepdim=True)
+    return torch.where(mass > MIN_MASS, weights / mass.clamp_min(MIN_MASS), fallback)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))``: what a rejected draft is replaced by (exactness lemma).
+
+    When ``p == q`` the residual is empty; a draft from q is then always accepted, so the value
+    returned (``p``) is never used for a draw that matters.
+    """
+    return normalise((p - q).clamp_min(0.0), p)
+
+
+def race(dist: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One draw per distribution along the last axis, given ``noise ~ Exp(1)`` of the same shape."""
+    return torch.argmax(dist / noise, dim=-1)
+
+
+def race_top(dist: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` draws without replacement (in draw order), given ``noise ~ Exp(1)``."""
+    return torch.topk(dist / noise, count, dim=-1).indices
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats along the last axis."""
+    return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+
+
+class RowRandom:
+    """One random stream per batch row, so a row's result depends only on its own seed.
+
+    Every draw is made row by row from that row's generator with the same shapes whatever the
+    batch, which makes image b of a batch identical to the same seed generated alone.
+    """
+
+    def __init__(self, seeds: Sequence[int], device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        """(B, *shape) uniforms in (0, 1] (never 0, so ``u * q <= p`` needs ``p > 0``)."""
+        rows = [1.0 - torch.rand(shape, generator=g, device=self.device) for g in self.generators]
+        return torch.stack(rows)
+
+    def exponential(self, *shape: int) -> torch.Tensor:
+        """(B, *shape) draws of Exp(1), for races."""
+        rows = [torch.empty(shape, device=self.device).exponential_(generator=g)
+                for g in self.generators]
+        return torch.stack(rows).clamp_min_(1e-30)

@@ -1,0 +1,200 @@
+"""What happened during a generation: per iteration and per slot, and the summaries of both.
+
+During decoding :class:`TraceRecorder` keeps everything on the model's device (no reads back);
+``finish`` turns it into a :class:`Trace` of plain numpy arrays that serialises to JSON and feeds
+the diagnostics heatmaps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .verify import COMMIT_KINDS
+
+_NEVER = 2**31 - 1
+
+
+class _Clock:
+    """Marks points in time without synchronising: CUDA events on a GPU, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases(self, per_iteration: int) -> np.ndarray:
+        """(iterations, per_iteration - 1) seconds between an iteration's consecutive marks.
+
+        Synchronises once, at the end.
+        """
+        groups = [self.marks[i:i + per_iteration]
+                  for i in range(0, len(self.marks) - per_iteration + 1, per_iteration)]
+        if self.cuda:
+            torch.cuda.synchronize()
+            span = [[a.elapsed_time(b) / 1000.0 for a, b in zip(g, g[1:])] for g in groups]
+        else:
+            span = [np.diff(g).tolist() for g in groups]
+        return np.array(span, dtype=np.float64).reshape(len(groups), per_iteration - 1)
+
+
+class TraceRecorder:
+    """Accumulates per-slot and per-iteration records on the device during decoding."""
+
+    def __init__(self, batch: int, slots: int, device: torch.device) -> None:
+        self.slots = slots
+        shape = (batch, slots + 1)  # the extra column absorbs writes for slots past the grid
+        self.commit_iteration = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.entered = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
+        self.probability = torch.full(shape, float("nan"), device=device)
+        self.kind = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.committed: list[torch.Tensor] = []
+        self.clock = _Clock(device)
+
+    def entered_window(self, iteration: int, slot_index: torch.Tensor) -> None:
+        """Slots (B, L) (the trash column for none) seen in the window at ``iteration``."""
+        value = torch.full_like(slot_index, iteration, dtype=torch.int32)
+        self.entered.scatter_reduce_(1, slot_index, value, reduce="amin")
+
+    def committed_slots(self, iteration: int, slot_index: torch.Tensor, count: torch.Tensor,
+                        kinds: torch.Tensor, probability: torch.Tensor) -> None:
+        """Record the slots (B, L) committed this iteration (trash column where not)."""
+        self.commit_iteration.scatter_(1, slot_index, torch.full_like(slot_index, iteration,
+                                                                     dtype=torch.int32))
+        self.kind.scatter_(1, slot_index, kinds.to(torch.int8))
+        self.probability.scatter_(1, slot_index, probability.float())
+        self.committed.append(count)
+
+    def finish(self, grid: tuple[int, int], meta: dict[str, Any]) -> "Trace":
+        """Read everything back once and build the host-side trace."""
+        height, width = grid
+        batch = self.kind.shape[0]
+
+        def to_grid(x: torch.Tensor) -> np.ndarray:
+            return x[:, : self.slots].reshape(batch, height, width).cpu().numpy()
+
+        commit = to_grid(self.commit_iteration)
+        entered = to_grid(self.entered)
+        seconds = self.clock.phases(3)  # iteration start, forward done, iteration done
+        forward, other = seconds[:, 0], seconds[:, 1]
+        committed = (torch.stack(self.committed).cpu().numpy() if self.committed
+                     else np.zeros((0, batch), dtype=np.int64))
+        return Trace(
+            meta=dict(meta, run_id=uuid.uuid4().hex, grid=[height, width], batch=batch),
+            committed_per_iteration=committed.astype(np.int64),
+            forward_seconds=forward[: len(committed)],
+            other_seconds=other[: len(committed)],
+            commit_iteration=commit.astype(np.int64),
+            iterations_in_window=(commit - entered + 1).astype(np.int64),
+            acceptance_probability=to_grid(self.probability).astype(np.float64),
+            commit_kind=to_grid(self.kind).astype(np.int64),
+        )
+
+
+@dataclass
+class Trace:
+    """A finished generation's record; plain numpy, JSON-serialisable.
+
+    Per iteration: slots committed per row, forward seconds, seconds spent drafting, verifying
+    and bookkeeping. Per slot (B, H, W): the iteration that committed it, how many iterations it
+    sat in the window, the acceptance probability of its test at commit (NaN when no draft was
+    tested, e.g. plain autoregression) and how it was committed (``COMMIT_KINDS``).
+    """
+
+    meta: dict[str, Any]
+    committed_per_iteration: np.ndarray  # (I, B)
+    forward_seconds: np.ndarray  # (I,)
+    other_seconds: np.ndarray  # (I,)
+    commit_iteration: np.ndarray  # (B, H, W)
+    iterations_in_window: np.ndarray
+    acceptance_probability: np.ndarray
+    commit_kind: np.ndarray
+    _arrays: tuple[str, ...] = field(default=("committed_per_iteration", "forward_seconds",
+                                              "other_seconds", "commit_iteration",
+                                              "iterations_in_window", "acceptance_probability",
+                                              "commit_kind"), repr=False)
+
+    def row_nfe(self) -> np.ndarray:
+        """Forward passes each row needed: the last iteration in which it committed, plus one."""
+        active = self.committed_per_iteration > 0
+        iterations = np.arange(1, active.shape[0] + 1)[:, None]
+        return np.where(active, iterations, 0).max(axis=0)
+
+    def accepted_lengths(self) -> np.ndarray:
+        """Slots committed per (iteration, row) while the row was still decoding."""
+        return self.committed_per_iteration[self.committed_per_iteration > 0]
+
+    def summary(self) -> dict[str, Any]:
+        """NFE, step compression, accepted lengths and timings, averaged over the batch rows."""
+        height, width = self.meta["grid"]
+        nfe = self.row_nfe()
+        lengths = self.accepted_lengths()
+        histogram = np.bincount(lengths, minlength=int(self.meta.get("window", 1)) + 1)[1:]
+        kinds = {name: int((self.commit_kind == code).sum()) for code, name in COMMIT_KINDS.items()
+                 if code}
+        forward = float(self.forward_seconds.sum())
+        other = float(self.other_seconds.sum())
+        return {
+            "mode": self.meta.get("mode", "?"),
+            "lossless": bool(self.meta.get("lossless", True)),
+            "run_id": self.meta["run_id"],
+            "slots_per_image": height * width,
+            "batch": int(self.meta["batch"]),
+            "iterations": int(self.committed_per_iteration.shape[0]),
+            "nfe": float(nfe.mean()) if nfe.size else 0.0,
+            "step_compression": float((height * width / np.maximum(nfe, 1)).mean()),
+            "mean_accepted_length": float(lengths.mean()) if lengths.size else 0.0,
+            "accepted_length_histogram": histogram.tolist(),
+            "commit_kinds": kinds,
+            "forward_seconds": forward,
+            "other_seconds": other,
+            "total_seconds": forward + other,
+            "other_share": other / (forward + other) if forward + other > 0 else 0.0,
+        }
+
+    def slot_maps(self) -> dict[str, np.ndarray]:
+        """The per-slot (B, H, W) arrays the diagnostics heatmaps are drawn from."""
+        return {name: getattr(self, name) for name in
+                ("commit_iteration", "iterations_in_window", "acceptance_probability",
+                 "commit_kind")}
+
+    def to_json(self) -> str:
+        """JSON text; NaN acceptance probabilities become null."""
+        body: dict[str, Any] = {"meta": self.meta}
+        for name in self._arrays:
+            array = getattr(self, name)
+            values = np.where(np.isnan(array), None, array).tolist() if array.dtype.kind == "f" \
+                else array.tolist()
+            body[name] = {"shape": list(array.shape), "dtype": str(array.dtype),
+                          "values": values}
+        return json.dumps(body)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        """Inverse of :meth:`to_json`; ValueError when the text is not a trace."""
+        try:
+            body = json.loads(text)
+            arrays = {}
+            for name in cls.__dataclass_fields__["_arrays"].default:
+                entry = body[name]
+                values = np.array(entry["values"], dtype=object)
+                if entry["dtype"].startswith("float"):
+                    values = np.where(values == None, np.nan, values)  # noqa: E711
+                arrays[name] = values.astype(entry["dtype"]).reshape(entry["shape"])
+            return cls(meta=body["meta"], **arrays)
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
+            raise ValueError(f"trace: the text is not a trace written by Trace.to_json ({error})") \
+                from error

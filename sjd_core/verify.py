@@ -1,0 +1,195 @@
+"""Acceptance rules: the exact speculative test on a draft tree, and the relaxed LANTERN / GSD.
+
+Exact rule (ALGORITHMS.md): a draft ``x ~ q`` is accepted with probability ``min(1, p(x)/q(x))``,
+written ``u * q(x) <= p(x)`` with ``u`` uniform in (0, 1]; after a rejection the slot is drawn
+from ``norm(max(0, p - q))`` and the result is distributed exactly as ``p``.
+
+On a tree, each node's children are the ``K`` candidates of the next slot, drawn without
+replacement from that slot's q. They are tested in order by recursive rejection sampling without
+replacement (Jeon et al. 2024): after rejecting ``x_k``, ``p <- norm(max(0, p - q))`` and
+``q <- q`` without ``x_k``, renormalised; the first accepted child is taken; if none is, the slot
+is drawn from the final residual. A chain is the case ``K = 1``. Every parent of the tree is
+tested at once (the loop runs over the ``K`` candidates, never over slots), and the accepted path
+is read off with one ancestor-matrix reduction.
+
+Relaxed rules replace ``(p(x), q(x))`` in the test by larger masses; they are lossy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafting import DraftTree
+from .sampling import normalise, race, residual
+from .settings import AccelerationSettings
+
+ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
+COMMIT_KINDS = {0: "not committed", ACCEPTED: "draft accepted", RESIDUAL: "residual draw",
+                BONUS: "bonus draw", RELAXED: "relaxed accept", FORCED: "forced"}
+
+
+class ExactAcceptance:
+    """The lossless test: masses ``p(x)`` and ``q(x)`` themselves."""
+
+    def masses(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, p_x: torch.Tensor,
+               q_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return p_x, q_x
+
+
+class LanternAcceptance:
+    """LANTERN (Jang et al. 2025), LOSSY: credit a draft with the mass of its look-alikes.
+
+    ``A(x)`` = the ``k`` codes nearest to ``x`` in the codebook's latent space, taken in order of
+    distance while their cumulative target mass stays ``<= delta``. Accept if
+    ``u * q(x) <= p(x) + p(A(x))``. Never accepts less often than the exact rule on the same
+    uniforms; adds at most ``delta`` of mass; ``delta = 0`` is the exact rule.
+    """
+
+    def __init__(self, embeddings: torch.Tensor, neighbours: int, delta: float) -> None:
+        self.delta = delta
+        self.table = nearest_codes(embeddings, neighbours)
+
+    def masses(self, p, q, x, p_x, q_x):
+        near = self.table[x]  # (B, T, k)
+        mass = p.gather(-1, near).cumsum(-1)
+        added = torch.where(mass <= self.delta, mass, torch.zeros_like(mass)).amax(-1)
+        return p_x + added, q_x
+
+
+class GsdAcceptance:
+    """Grouped speculative decoding (So et al. 2025), LOSSY: test a group of similar codes.
+
+    The rule implemented: ``G(x)`` = ``x`` plus the codes whose rank in ``p`` is within
+    ``rank_radius`` of ``x``'s rank, whose probability differs from ``p(x)`` by less than
+    ``prob_tolerance`` and whose unit-normalised codebook embedding is within squared distance
+    ``embedding_tolerance`` of ``x``'s. Accept if ``u * sum_G q <= sum_G p``; on rejection the
+    usual residual. Defaults follow the published code: radius 7, 0.15, 0.5.
+    """
+
+    def __init__(self, embeddings: torch.Tensor, rank_radius: int, prob_tolerance: float,
+                 embedding_tolerance: float) -> None:
+        self.unit = torch.nn.functional.normalize(embeddings.float(), dim=-1)
+        self.radius = rank_radius
+        self.prob_tolerance = prob_tolerance
+        self.embedding_tolerance = embedding_tolerance
+
+    def masses(self, p, q, x, p_x, q_x):
+        vocab = p.shape[-1]
+        order = torch.argsort(p, dim=-1, descending=True)
+        rank = torch.argsort(order, dim=-1).gather(-1, x[..., None])
+        spread = torch.arange(-self.radius, self.radius + 1, device=p.device)
+        ranks = (rank + spread).clamp(0, vocab - 1)
+        group = order.gather(-1, ranks)  # (B, T, 2r+1), may repeat at the edges
+        unique = torch.cat([torch.ones_like(group[..., :1], dtype=torch.bool),
+                            group[..., 1:] != group[..., :-1]], dim=-1)
+        close_p = (p.gather(-1, group) - p_x[..., None]).abs() < self.prob_tolerance
+        distance = (self.unit[group] - self.unit[x][..., None, :]).pow(2).sum(-1)
+        member = unique & close_p & (distance < self.embedding_tolerance) & (group != x[..., None])
+        p_group = p_x + torch.where(member, p.gather(-1, group), torch.zeros_like(distance)).sum(-1)
+        q_group = q_x + torch.where(member, q.gather(-1, group), torch.zeros_like(distance)).sum(-1)
+        return p_group, q_group
+
+
+def nearest_codes(embeddings: torch.Tensor, count: int, chunk: int = 1024) -> torch.Tensor:
+    """(V, count) indices of each code's nearest other codes by Euclidean distance, nearest first."""
+    emb = embeddings.float()
+    count = min(count, emb.shape[0] - 1)
+    rows = []
+    for start in range(0, emb.shape[0], chunk):
+        block = torch.cdist(emb[start:start + chunk], emb)
+        block[torch.arange(block.shape[0]), torch.arange(start, start + block.shape[0])] = float("inf")
+        rows.append(torch.topk(block, count, dim=-1, largest=False).indices)
+    return torch.cat(rows)
+
+
+def acceptance_rule(settings: AccelerationSettings, embeddings: torch.Tensor | None):
+    """The acceptance rule object for ``settings.relaxed``."""
+    if settings.relaxed == "none":
+        return ExactAcceptance()
+    if embeddings is None:
+        raise ValueError(f"relaxed={settings.relaxed!r} needs the model's codebook embeddings, "
+                         "and this model provides none; use relaxed='none'.")
+    if settings.relaxed == "lantern":
+        return LanternAcceptance(embeddings, settings.lantern_neighbours, settings.lantern_delta)
+    return GsdAcceptance(embeddings, settings.gsd_rank_radius, settings.gsd_prob_tolerance,
+                         settings.gsd_embedding_tolerance)
+
+
+@dataclass
+class Verdict:
+    """Outcome of one iteration's verification, per batch row."""
+
+    path: torch.Tensor  # (B, L) node at each depth (accepted, then the stale route below it)
+    accepted: torch.Tensor  # (B,) drafts accepted along the path
+    tokens: torch.Tensor  # (B, L) code committed at offset j (valid for j <= accepted)
+    kinds: torch.Tensor  # (B, L) commit kind at offset j
+    probability: torch.Tensor  # (B, L) acceptance probability of the test at offset j (NaN: none)
+
+
+def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
+                node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
+                final_noise: torch.Tensor, rule) -> Verdict:
+    """Recursive rejection sampling over every parent at once, then the accepted path.
+
+    ``p`` (B, T, V): target distribution after each fed node; ``node_tokens``/``node_valid``
+    (B, T); ``q_slots`` (B, L, V): draft distribution per window offset; ``uniforms`` (B, T, K);
+    ``final_noise`` (B, V) for the residual or bonus draw at the end of the path.
+    """
+    batch, size, vocab = p.shape
+    window = q_slots.shape[1]
+    q = q_slots.gather(1, tree.depth.clamp_max(window - 1)[None, :, None].expand(batch, -1, vocab))
+    chosen = torch.full((batch, size), -1, dtype=torch.long, device=p.device)
+    decided = torch.zeros(batch, size, dtype=torch.bool, device=p.device)
+    tested = torch.zeros_like(decided)
+    relaxed = torch.zeros_like(decided)
+    nan = torch.full((batch, size), float("nan"), device=p.device)
+    first_probability, taken_probability = nan, nan.clone()
+    for k in range(tree.branching):
+        child = tree.children[:, k]
+        safe = child.clamp_min(0)
+        x = node_tokens[:, safe]
+        live = (child >= 0) & node_valid[:, safe] & ~decided
+        p_x = p.gather(-1, x[..., None]).squeeze(-1)
+        q_x = q.gather(-1, x[..., None]).squeeze(-1)
+        p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
+        u = uniforms[..., k]
+        accept = live & (u * q_mass <= p_mass)
+        probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
+        if k == 0:
+            first_probability = torch.where(live, probability, nan)
+        taken_probability = torch.where(accept, probability, taken_probability)
+        relaxed |= accept & ~(u * q_x <= p_x)
+        chosen = torch.where(accept, child, chosen)
+        tested |= live
+        step = (live & ~accept)[..., None]
+        if k + 1 < tree.branching:
+            q_next = normalise(q.scatter(-1, x[..., None], 0.0), q)
+            p, q = torch.where(step, residual(p, q), p), torch.where(step, q_next, q)
+        else:
+            p = torch.where(step, residual(p, q), p)
+        decided |= accept
+    edge = torch.zeros_like(decided)
+    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == torch.arange(
+        1, size, device=p.device)
+    edge[:, 0] = True
+    on_path = ~((~edge)[:, None, :] & tree.ancestors[None]).any(-1)
+    deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
+    accepted = tree.depth[deepest]
+    path = tree.route[deepest]
+    final_dist = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
+    final_token = race(final_dist, final_noise)
+    offsets = torch.arange(window, device=p.device)
+    next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
+    tokens = torch.where(offsets == accepted[:, None], final_token[:, None],
+                         node_tokens.gather(1, next_nodes))
+    at_path = lambda values: values.gather(1, path)  # noqa: E731
+    final_kind = torch.where(at_path(tested).gather(1, accepted[:, None]).squeeze(1),
+                             RESIDUAL, BONUS)
+    kinds = torch.where(offsets < accepted[:, None],
+                        torch.where(at_path(relaxed), RELAXED, ACCEPTED),
+                        final_kind[:, None].expand(-1, window))
+    probability = torch.where(offsets < accepted[:, None], at_path(taken_probability),
+                              at_path(first_probability))
+    return Verdict(path, accepted, tokens, kinds, probability)
