@@ -1,0 +1,164 @@
+"""Checks every transformers-based family adapter passes, each against plain full forwards (fp32).
+
+A family test supplies ``reference(codes, row)``: the model's code logits after the slot -1 token
+and after each of ``codes`` (shape ``(len(codes) + 1, codebook)``), computed by ONE ordinary
+causal forward over the whole sequence of the family's recipe (``row`` is ``"cond"`` or
+``"uncond"``). The adapter's session must reproduce those numbers however the slots are fed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sjd_core.engine import generate
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.settings import AccelerationSettings, SamplingSettings
+
+Reference = Callable[[list[int], str], torch.Tensor]
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def chain(t: int) -> torch.Tensor:
+    return torch.tril(torch.ones(t, t, dtype=torch.bool))
+
+
+@torch.no_grad()
+def check_window_equals_stepwise(model, request: GenerationRequest, reference: Reference,
+                                 codes: list[int]) -> None:
+    """A window of slots -1..n-2 in one forward == one slot per forward == the reference."""
+    n = len(codes)
+    ref = reference(codes, "cond")[:n]
+    session = model.start(request)
+    window, _ = session.forward(torch.tensor([[0] + codes[:-1]]), torch.arange(-1, n - 1)[None], chain(n))
+    torch.testing.assert_close(window[0], ref, **TOL)
+    session = model.start(request)
+    steps = []
+    for slot in range(-1, n - 1):
+        out, _ = session.forward(torch.tensor([[0 if slot < 0 else codes[slot]]]), torch.tensor([[slot]]),
+                                 chain(1))
+        session.keep(torch.ones(1, 1, dtype=torch.bool))
+        steps.append(out[0, 0])
+    torch.testing.assert_close(torch.stack(steps), ref, **TOL)
+
+
+@torch.no_grad()
+def check_tree_equals_branches(model, request: GenerationRequest, reference: Reference,
+                               codes: list[int], start: int) -> None:
+    """A draft tree fed with its ancestor mask == each branch fed alone (reference forwards).
+
+    ``codes[:start]`` are committed first; the tree then holds two candidates for slot ``start``,
+    a child under each for ``start + 1`` and a grandchild under the first branch.
+    """
+    session = model.start(request)
+    session.forward(torch.tensor([[0] + codes[:start]]), torch.arange(-1, start)[None], chain(start + 1))
+    session.keep(torch.ones(1, start + 1, dtype=torch.bool))
+    a, b, x, y, z = codes[start], codes[start + 1], codes[start + 2], codes[start + 3], codes[start + 4]
+    tree_codes = torch.tensor([[a, b, x, y, z]])
+    slots = torch.tensor([[start, start, start + 1, start + 1, start + 2]])
+    ancestors = torch.eye(5, dtype=torch.bool)
+    ancestors[2, 0] = ancestors[3, 1] = ancestors[4, 2] = ancestors[4, 0] = True
+    out, _ = session.forward(tree_codes, slots, ancestors)
+    branches = {0: [a], 1: [b], 2: [a, x], 3: [b, y], 4: [a, x, z]}
+    for node, branch in branches.items():
+        ref = reference(codes[:start] + branch, "cond")[-1]
+        torch.testing.assert_close(out[0, node], ref, **TOL)
+
+
+@torch.no_grad()
+def check_keep_path_then_continue(model, request: GenerationRequest, reference: Reference,
+                                  codes: list[int]) -> None:
+    """Keep a tree's accepted path, continue: the next forward equals a fresh full forward."""
+    session = model.start(request)
+    wrong = [(c + 1) % model.codebook_size for c in codes]
+    # nodes: slot -1, 0, 1 (chain); slot 2: right / wrong; slot 3 under each of them
+    node_codes = torch.tensor([[0, codes[0], codes[1], wrong[2], codes[2], wrong[3], codes[3]]])
+    slots = torch.tensor([[-1, 0, 1, 2, 2, 3, 3]])
+    anc = torch.zeros(7, 7, dtype=torch.bool)
+    anc[:3, :3] = chain(3)
+    anc[3:, :3] = True
+    anc[3, 3] = anc[4, 4] = anc[5, 5] = anc[6, 6] = True
+    anc[5, 3] = True  # (3, wrong) under (2, wrong)
+    anc[6, 4] = True  # (3, right) under (2, right)
+    session.forward(node_codes, slots, anc)
+    session.keep(torch.tensor([[True, True, True, False, True, False, True]]))
+    out, _ = session.forward(torch.tensor([codes[4:7]]), torch.tensor([[4, 5, 6]]), chain(3))
+    torch.testing.assert_close(out[0], reference(codes[:7], "cond")[5:8], **TOL)
+
+
+@torch.no_grad()
+def check_batched_guidance(model, request: GenerationRequest, reference: Reference,
+                           rows: list[list[int]]) -> None:
+    """One batched forward of conditional + unconditional rows == separate reference forwards."""
+    session = model.start(request)
+    assert session.guided and session.batch_size == len(rows)
+    n = len(rows[0])
+    cond, uncond = session.forward(torch.tensor([[0] + r[:-1] for r in rows]),
+                                   torch.arange(-1, n - 1).expand(len(rows), n), chain(n))
+    for b, r in enumerate(rows):
+        torch.testing.assert_close(cond[b], reference(r, "cond")[:n], **TOL)
+        torch.testing.assert_close(uncond[b], reference(r, "uncond")[:n], **TOL)
+
+
+LOSSLESS_MODES = {
+    "sjd": AccelerationSettings(window=5),
+    "sjd-left-init": AccelerationSettings(window=5, init="left"),
+    "sjd+ac": AccelerationSettings(window=5, adaptive_continuation=True),
+    "pac": AccelerationSettings.preset("pac", window=5, pd_candidates=3, pd_depth=3),
+    "pac+vp": AccelerationSettings.preset("pac+vp", window=5, pd_candidates=3, pd_depth=3, vp_top_k=8),
+}
+
+
+def check_greedy_modes_agree(model, request: GenerationRequest, guidance: float) -> dict[str, int]:
+    """Greedy (top-k 1) codes are identical in AR and every lossless mode; returns forwards per mode."""
+    sampling = SamplingSettings(guidance=guidance, top_k=1)
+    ar = generate(model, request, sampling, AccelerationSettings(window=1), seed=0)
+    forwards = {"ar": ar.trace.summary()["nfe"]}
+    for name, acceleration in LOSSLESS_MODES.items():
+        result = generate(model, request, sampling, acceleration, seed=0)
+        assert torch.equal(result.codes, ar.codes), f"{name} codes differ from AR"
+        forwards[name] = result.trace.summary()["nfe"]
+    return forwards
+
+
+def check_relaxed_modes_run(model, request: GenerationRequest, guidance: float) -> None:
+    """LANTERN and GSD (lossy) run on the family's codebook embeddings and give in-range codes."""
+    embeddings = model.codebook_embeddings()
+    assert embeddings.shape[0] == model.codebook_size and embeddings.dtype == torch.float32
+    sampling = SamplingSettings(guidance=guidance, top_k=8)
+    for relaxed in ("lantern", "gsd"):
+        acceleration = AccelerationSettings.preset("pac+vp", window=5, pd_depth=3, relaxed=relaxed,
+                                                   lantern_neighbours=4)
+        codes = generate(model, request, sampling, acceleration, seed=1).codes
+        grid = model.grid_for(request.resolution)
+        assert codes.shape == (request.batch_size, *grid)
+        assert int(codes.min()) >= 0 and int(codes.max()) < model.codebook_size
+
+
+def check_offloaded_model_agrees(model, offloaded, request: GenerationRequest, guidance: float) -> None:
+    """A model with layers offloaded by a ``device_map`` gives the same greedy codes, in PAC+VP too."""
+    sampling = SamplingSettings(guidance=guidance, top_k=1)
+    ar = generate(model, request, sampling, AccelerationSettings(window=1), seed=0).codes
+    assert any(place == "disk" for place in offloaded.model.hf_device_map.values())
+    for acceleration in (AccelerationSettings(window=1), LOSSLESS_MODES["pac+vp"]):
+        assert torch.equal(generate(offloaded, request, sampling, acceleration, seed=0).codes, ar)
+
+
+def check_decode(model, grid: tuple[int, int], pixels: tuple[int, int]) -> None:
+    """decode: (B, H, W) codes -> (B, height, width, 3) float32 in [0, 1]."""
+    codes = torch.randint(0, model.codebook_size, (2, *grid), generator=torch.Generator().manual_seed(0))
+    images = model.decode(codes)
+    assert images.shape == (2, pixels[1], pixels[0], 3)
+    assert images.dtype == torch.float32
+    assert float(images.min()) >= 0.0 and float(images.max()) <= 1.0
+    assert float(images.std()) > 0.0
+
+
+def output_positions(prefix: int, count: int, width: int, row_end: bool) -> list[int]:
+    """Sequence index of the output for slot -1 and each of ``count`` codes after a prefix."""
+    positions, pos = [prefix - 1], prefix - 1
+    for i in range(count):
+        pos += 1 + (1 if row_end and i % width == width - 1 else 0)
+        positions.append(pos)
+    return positions
