@@ -224,6 +224,61 @@ def test_greedy_codes_identical_in_every_lossless_mode(kind, c2i, t2i):
     fc.check_relaxed_modes_run(model, req(), guidance=4.0)
 
 
+def reference_vq_decode(state: dict, codes: torch.Tensor) -> torch.Tensor:
+    """LlamaGen's VQ decoder from its architecture: L2-normalised codebook lookup, post-quant conv,
+    a middle (resnet, attention, resnet), then per level resnets (+ attention at the lowest
+    resolution) and a nearest 2x upsample + conv, GroupNorm(32) / swish / conv out."""
+    F = torch.nn.functional
+
+    def conv(x, name):
+        w = state[name + ".weight"]
+        return F.conv2d(x, w, state[name + ".bias"], padding=w.shape[-1] // 2)
+
+    def norm(x, name):
+        return F.group_norm(x, 32, state[name + ".weight"], state[name + ".bias"], eps=1e-6)
+
+    def swish(x):
+        return x * torch.sigmoid(x)
+
+    def resnet(x, name):
+        h = conv(swish(norm(x, name + ".norm1")), name + ".conv1")
+        h = conv(swish(norm(h, name + ".norm2")), name + ".conv2")
+        return (conv(x, name + ".nin_shortcut") if name + ".nin_shortcut.weight" in state else x) + h
+
+    def attention(x, name):
+        b, c, hgt, wid = x.shape
+        h = norm(x, name + ".norm")
+        q, k, v = (conv(h, f"{name}.{p}").reshape(b, c, hgt * wid) for p in "qkv")
+        weights = torch.softmax(q.transpose(1, 2) @ k / math.sqrt(c), dim=-1)  # (b, query, key)
+        return x + conv((v @ weights.transpose(1, 2)).reshape(b, c, hgt, wid), name + ".proj_out")
+
+    x = F.normalize(state["quantize.embedding.weight"][codes], dim=-1).permute(0, 3, 1, 2)
+    x = conv(conv(x, "post_quant_conv"), "decoder.conv_in")
+    x = attention(resnet(x, "decoder.mid.0"), "decoder.mid.1")
+    x = resnet(x, "decoder.mid.2")
+    levels = sorted({int(k.split(".")[2]) for k in state if k.startswith("decoder.conv_blocks.")})
+    for n in levels:
+        block = f"decoder.conv_blocks.{n}"
+        blocks = sorted({int(k.split(".")[4]) for k in state if k.startswith(block + ".res.")})
+        for j in blocks:
+            x = resnet(x, f"{block}.res.{j}")
+            if f"{block}.attn.{j}.norm.weight" in state:
+                x = attention(x, f"{block}.attn.{j}")
+        if f"{block}.upsample.conv.weight" in state:
+            x = conv(F.interpolate(x, scale_factor=2.0, mode="nearest"), f"{block}.upsample.conv")
+    return conv(swish(norm(x, "decoder.norm_out")), "decoder.conv_out")
+
+
+def test_vq_in_janus_vqvae_decodes_like_llamagens_decoder(c2i, c2i_folder):
+    state = read_state_dict(c2i_folder / "vq_ds16_c2i.pt")
+    codes = torch.randint(0, 64, (2, 4, 4), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = c2i.vq.decode(codes.flatten(1))
+        reference = reference_vq_decode(state, codes)
+    assert ours.shape == reference.shape == (2, 3, 8, 8)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
 def test_decode_through_janus_vq(c2i):
     fc.check_decode(c2i, GRID, (8, 8))
     with pytest.raises(ValueError, match=r"resolution=256x256 is not supported by LlamaGen \(c2i, trained at 8 px\)"):
