@@ -6,7 +6,7 @@ import torch
 from sjd_core.engine import generate
 from sjd_core.models.chameleon import VQGAN_PLACES
 from sjd_core.models.loader import load_model
-from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from sjd_core.settings import AccelerationSettings, SamplingSettings
 from tests.tiny_checkpoints import (CHAMELEON_CODES, cached_copy, chameleon_reference, write_anole,
                                     write_lumina, write_vqgan)
@@ -71,6 +71,8 @@ CODES = torch.randint(0, CHAMELEON_CODES, (80,), generator=torch.Generator().man
 
 # ----------------------------------------------------------------------------- recipe
 def test_lumina_prompt_and_structural_tokens(lumina):
+    assert isinstance(lumina, ImageTokenModel)
+    assert isinstance(lumina.start(GenerationRequest(prompt="x")), DecodingSession)
     ids = lumina.prompt_ids("a red fox", (512, 512))
     assert ids[0] == 0  # BOS
     assert ids[-4:] == [8710, 8197, 8804 + 16, 8804 + 16]  # end of turn, image start, h, w

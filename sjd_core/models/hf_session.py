@@ -269,7 +269,7 @@ class HFSession(DecodingSession):
         hidden = self._run(x, mask, positions)
         out_tok = (end_tok - 1).to(hidden.device)
         hidden = hidden.gather(1, out_tok[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = p.code_logits(hidden).float()
+        logits = p.code_logits(hidden).float().to(dev)  # the head may sit on another device
         self._fed = (node_of, real)
         self._valid = torch.cat([self._valid, torch.zeros_like(real)], dim=1)  # valid once kept
         if self.guided:

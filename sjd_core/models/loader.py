@@ -208,6 +208,9 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
     model.eval()
     placement = None if device_map is None else _resolve_device_map(model, device_map, dtype)
     offload_dir, offload_index = None, {}
+    if placement is not None and "disk" in placement.values():
+        offload_dir = tempfile.mkdtemp(prefix="sjd-offload-")
+        weakref.finalize(model, _remove_tree, offload_dir)  # also when loading fails half-way
     expected = dict(model.named_parameters())
     # persistent buffers (e.g. BatchNorm running statistics in Emu3's VQ) load like parameters
     buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in expected}
@@ -226,8 +229,6 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
             target = dtype if (tensor.is_floating_point() and not any(k in name for k in keep_float32)) else None
             where = device if placement is None else _owner(name, placement)
             if where == "disk":
-                if offload_dir is None:
-                    offload_dir = tempfile.mkdtemp(prefix="sjd-offload-")
                 offload_weight(tensor.to(target) if target else tensor, name, offload_dir, offload_index)
             else:
                 set_module_tensor_to_device(model, name, where, value=tensor, dtype=target)
@@ -245,7 +246,6 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
     else:
         if offload_dir is not None:
             save_offload_index(offload_index, offload_dir)
-            weakref.finalize(model, _remove_tree, offload_dir)
         dispatch_model(model, placement, offload_dir=offload_dir)
     return model
 
