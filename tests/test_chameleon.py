@@ -149,6 +149,23 @@ def test_tree_equals_branches_and_keep_continue(lumina, reference):
 
 
 @torch.no_grad()
+def test_anole_window_tree_and_keep(anole, anole_dir):
+    ref = chameleon_reference(anole_dir)
+    context = anole.prompt_ids("a fox", (512, 512))
+    session = anole.start(GenerationRequest(prompt="a fox", guidance=3.0))
+    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), torch.arange(-1, 40)[None], chain(41))
+    torch.testing.assert_close(cond[0], reference_logits(ref, context, CODES[:40], None), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(uncond[0], reference_logits(ref, [8197], CODES[:40], None), atol=1e-4, rtol=1e-4)
+    session.keep(torch.arange(41)[None] < 31)  # slots -1..29 kept
+    anc = torch.eye(4, dtype=torch.bool)
+    anc[2, 0] = anc[3, 1] = True  # two branches of two codes from slot 30
+    tree, _ = session.forward(torch.tensor([[3, 4, 5, 6]]), torch.tensor([[30, 30, 31, 31]]), anc)
+    for node, branch in {0: [3], 1: [4], 2: [3, 5], 3: [4, 6]}.items():
+        want = reference_logits(ref, context, CODES[:30] + branch, None)[-1]
+        torch.testing.assert_close(tree[0, node], want, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_guidance_batch_equals_separate_forwards(lumina, reference):
     session = lumina.start(GenerationRequest(prompt="a fox", guidance=3.0, batch_size=2))
     codes = torch.tensor([[0] + CODES[:35], [0] + CODES[35:70]])
