@@ -1,0 +1,292 @@
+"""The engine on the synthetic model: greedy equivalence, reproducibility, batches, settings
+errors, device reads per iteration, the trace, and every mode combination."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from sjd_core.engine import generate
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.synthetic import SyntheticModel
+from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.trace import Trace
+from sjd_core.verify import ACCEPTED, BONUS, COMMIT_KINDS, RELAXED, RESIDUAL
+
+LOSSLESS = {
+    "sjd": dict(),
+    "sjd+ac": dict(adaptive_continuation=True),
+    "sjd+pd": dict(proactive_drafting=True),
+    "pac": dict(adaptive_continuation=True, proactive_drafting=True),
+    "sjd+vp": dict(verification_prediction=True),
+    "pac+vp": dict(adaptive_continuation=True, proactive_drafting=True,
+                   verification_prediction=True),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return SyntheticModel(codebook_size=32, grid=(6, 6), width=32, layers=2, sharpness=2.0, seed=5)
+
+
+def request(batch: int = 1) -> GenerationRequest:
+    return GenerationRequest(prompt="a lighthouse at dusk", negative_prompt="blurry",
+                             batch_size=batch)
+
+
+SAMPLING = SamplingSettings(guidance=2.5, temperature=1.0, top_k=16, top_p=0.95)
+GREEDY = SamplingSettings(guidance=2.5, top_k=1)
+
+
+@pytest.mark.parametrize("init", ["uniform", "left"])
+@pytest.mark.parametrize("window", [2, 5, 16])
+@pytest.mark.parametrize("mode", list(LOSSLESS))
+def test_greedy_codes_are_identical_to_ar_in_every_lossless_mode(model, mode, window, init):
+    reference = generate(model, request(), GREEDY, AccelerationSettings(window=1), seed=0).codes
+    options = dict(LOSSLESS[mode], window=window, init=init)
+    if options.get("proactive_drafting"):
+        options["pd_depth"] = min(3, window)
+    result = generate(model, request(), GREEDY, AccelerationSettings(**options), seed=123)
+    assert torch.equal(result.codes, reference)
+    if window > 2:
+        assert result.trace.summary()["nfe"] < 36  # the window really was used
+
+
+def test_same_seed_and_settings_give_the_same_codes(model):
+    settings = AccelerationSettings.preset("pac+vp", window=8)
+    first = generate(model, request(), SAMPLING, settings, seed=42)
+    second = generate(model, request(), SAMPLING, settings, seed=42)
+    other = generate(model, request(), SAMPLING, settings, seed=43)
+    assert torch.equal(first.codes, second.codes)
+    assert not torch.equal(first.codes, other.codes)
+
+
+@pytest.mark.parametrize("preset", ["ar", "pac+vp"])
+def test_each_batch_row_equals_the_same_seed_generated_alone(model, preset):
+    settings = AccelerationSettings.preset(preset, **({} if preset == "ar" else {"window": 8}))
+    batch = generate(model, request(3), SAMPLING, settings, seed=7)
+    for row in range(3):
+        alone = generate(model, request(1), SAMPLING, settings, seed=7 + row)
+        assert torch.equal(batch.codes[row], alone.codes[0])
+    rows_nfe = batch.trace.row_nfe()
+    assert batch.trace.summary()["iterations"] == rows_nfe.max()
+
+
+def test_window_64_with_every_lossless_option(model):
+    wide = SyntheticModel(codebook_size=64, grid=(8, 12), width=32, sharpness=2.0, seed=1)
+    settings = AccelerationSettings.preset("pac+vp", window=64, vp_rises=3)
+    result = generate(wide, request(2), SAMPLING, settings, seed=0)
+    assert result.codes.shape == (2, 8, 12)
+    assert result.trace.summary()["step_compression"] > 1.0
+
+
+COMBINATIONS = list(itertools.product([False, True], [False, True], [False, True],
+                                      ["none", "lantern", "gsd"], ["uniform", "left"]))
+
+
+@pytest.mark.parametrize("ac,pd,vp,relaxed,init", COMBINATIONS)
+def test_every_combination_runs_and_commits_every_slot_once(model, ac, pd, vp, relaxed, init):
+    settings = AccelerationSettings(window=6, adaptive_continuation=ac, proactive_drafting=pd,
+                                    verification_prediction=vp, relaxed=relaxed, init=init,
+                                    lantern_neighbours=8)
+    result = generate(model, request(2), SAMPLING, settings, seed=3)
+    trace = result.trace
+    assert result.codes.shape == (2, 6, 6)
+    assert int(result.codes.max()) < 32 and int(result.codes.min()) >= 0
+    assert (trace.committed_per_iteration.sum(0) == 36).all()
+    assert (trace.commit_iteration >= 0).all()
+    assert (trace.commit_kind > 0).all()
+    assert trace.meta["mode"] == settings.mode_name
+    if relaxed == "none":
+        assert not (trace.commit_kind == RELAXED).any()
+
+
+def test_relaxed_slots_are_marked_in_the_trace(model):
+    settings = AccelerationSettings(window=8, relaxed="lantern", lantern_neighbours=16,
+                                    lantern_delta=0.5)
+    trace = generate(model, request(2), SAMPLING, settings, seed=1).trace
+    assert (trace.commit_kind == RELAXED).sum() > 0
+    assert trace.summary()["lossless"] is False
+
+
+SYNC_CALLS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+              "cpu", "numpy", "__array__", "masked_select", "unique", "argwhere", "__len__"}
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts tensor operations that read values back to the host (or depend on them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        boolean_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:]))
+        moves_to_host = name == "to" and any(str(a).startswith("cpu") for a in args[1:])
+        if name in SYNC_CALLS or boolean_index or moves_to_host:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flatten(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+@pytest.mark.parametrize("preset", ["ar", "sjd", "pac+vp"])
+@pytest.mark.parametrize("relaxed", ["none", "gsd"])
+def test_one_device_read_per_iteration(model, preset, relaxed):
+    if preset == "ar" and relaxed != "none":
+        pytest.skip("plain autoregression has no acceptance test to relax")
+    overrides = {} if preset == "ar" else {"window": 8, "relaxed": relaxed}
+    settings = AccelerationSettings.preset(preset, **overrides)
+    reads = _DeviceReads()
+    seen: list[int] = []
+    with reads:
+        generate(model, request(2), SAMPLING, settings, seed=0,
+                 on_iteration=lambda report: seen.append(reads.count))
+    per_iteration = np.diff(seen)
+    assert len(per_iteration) >= 3
+    assert (per_iteration == 1).all(), per_iteration
+
+
+def test_device_read_counter_sees_reads():
+    """The counter used above is not blind: it counts the reads it claims to count."""
+    reads = _DeviceReads()
+    x = torch.arange(4)
+    with reads:
+        x.tolist()
+        bool(x[0] > 0)
+        x[x > 1]
+        int(x.sum())
+    assert reads.count == 4
+
+
+def test_progress_reports_and_stopping(model):
+    reports = []
+
+    def stop_after_three(report):
+        reports.append(report)
+        if report.iteration == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, request(2), SAMPLING, AccelerationSettings(window=4), seed=0,
+                 on_iteration=stop_after_three)
+    assert [r.iteration for r in reports] == [1, 2, 3]
+    assert all(r.total == 36 for r in reports)
+    assert reports[-1].committed == [a + b + c for a, b, c in
+                                     zip(*[r.accepted for r in reports])]
+    after = generate(model, request(1), SAMPLING, AccelerationSettings(window=4), seed=0)
+    assert after.codes.shape == (1, 6, 6)  # the model still works after a stopped run
+
+
+def test_trace_records_and_round_trips(model):
+    settings = AccelerationSettings.preset("pac", window=8)
+    result = generate(model, request(2), SAMPLING, settings, seed=9)
+    trace = result.trace
+    summary = trace.summary()
+    nfe = trace.row_nfe()
+    assert summary["nfe"] == pytest.approx(nfe.mean())
+    assert summary["step_compression"] == pytest.approx(np.mean(36 / nfe))
+    assert sum(summary["accepted_length_histogram"]) == int((trace.committed_per_iteration > 0).sum())
+    assert len(summary["accepted_length_histogram"]) == 8
+    assert (trace.commit_iteration < nfe[:, None, None]).all()
+    assert (trace.iterations_in_window >= 1).all()
+    kinds = set(np.unique(trace.commit_kind).tolist())
+    assert kinds <= {ACCEPTED, RESIDUAL, BONUS} | {5} and ACCEPTED in kinds
+    accepted = trace.commit_kind == ACCEPTED
+    assert np.isfinite(trace.acceptance_probability[accepted]).all()
+    assert (trace.acceptance_probability[accepted] > 0).all()
+    assert len(trace.forward_seconds) == summary["iterations"]
+    assert 0 <= summary["other_share"] < 1
+    restored = Trace.from_json(trace.to_json())
+    for name, array in trace.slot_maps().items():
+        np.testing.assert_array_equal(restored.slot_maps()[name], array)
+    assert restored.summary() == summary
+    json.loads(trace.to_json())  # plain JSON, NaN written as null
+    assert set(COMMIT_KINDS.values()) >= set(summary["commit_kinds"])
+    with pytest.raises(ValueError, match="not a trace"):
+        Trace.from_json('{"meta": {}}')
+
+
+def test_ar_trace_has_no_tests(model):
+    trace = generate(model, request(1), SAMPLING, AccelerationSettings(window=1), seed=0).trace
+    assert trace.summary()["nfe"] == 36
+    assert (trace.commit_kind == BONUS).all()
+    assert np.isnan(trace.acceptance_probability).all()
+    assert (trace.iterations_in_window == 1).all()
+
+
+BAD_SETTINGS = [
+    (AccelerationSettings, dict(window=0), "window"),
+    (AccelerationSettings, dict(window=2.5), "window"),
+    (AccelerationSettings, dict(proactive_drafting=True, pd_candidates=0), "pd_candidates"),
+    (AccelerationSettings, dict(proactive_drafting=True, pd_depth=0), "pd_depth"),
+    (AccelerationSettings, dict(proactive_drafting=True, pd_depth=1), "pd_depth"),
+    (AccelerationSettings, dict(window=4, proactive_drafting=True, pd_depth=5), "pd_depth"),
+    (AccelerationSettings, dict(init="random"), "init"),
+    (AccelerationSettings, dict(relaxed="fast"), "relaxed"),
+    (AccelerationSettings, dict(vp_rises=0), "vp_rises"),
+    (AccelerationSettings, dict(vp_top_k=0), "vp_top_k"),
+    (AccelerationSettings, dict(vp_decay=1.0), "vp_decay"),
+    (AccelerationSettings, dict(vp_decay=math.nan), "vp_decay"),
+    (AccelerationSettings, dict(lantern_delta=-0.1), "lantern_delta"),
+    (AccelerationSettings, dict(lantern_delta=math.nan), "lantern_delta"),
+    (AccelerationSettings, dict(lantern_neighbours=0), "lantern_neighbours"),
+    (AccelerationSettings, dict(gsd_rank_radius=-1), "gsd_rank_radius"),
+    (AccelerationSettings, dict(gsd_prob_tolerance=math.inf), "gsd_prob_tolerance"),
+    (AccelerationSettings, dict(window=1, adaptive_continuation=True), "adaptive_continuation"),
+    (AccelerationSettings, dict(window=1, proactive_drafting=True), "proactive_drafting"),
+    (AccelerationSettings, dict(window=1, verification_prediction=True),
+     "verification_prediction"),
+    (AccelerationSettings, dict(window=1, relaxed="lantern"), "relaxed"),
+    (SamplingSettings, dict(temperature=0.0), "temperature"),
+    (SamplingSettings, dict(temperature=-1.0), "temperature"),
+    (SamplingSettings, dict(temperature=math.nan), "temperature"),
+    (SamplingSettings, dict(top_k=-1), "top_k"),
+    (SamplingSettings, dict(top_p=0.0), "top_p"),
+    (SamplingSettings, dict(top_p=1.5), "top_p"),
+    (SamplingSettings, dict(top_p=math.nan), "top_p"),
+    (SamplingSettings, dict(guidance=-1.0), "guidance"),
+    (SamplingSettings, dict(guidance=math.nan), "guidance"),
+]
+
+
+@pytest.mark.parametrize("kind,options,name", BAD_SETTINGS)
+def test_bad_settings_name_the_setting_the_value_and_the_range(kind, options, name):
+    with pytest.raises(ValueError) as error:
+        kind(**options)
+    message = str(error.value)
+    assert message.startswith(f"{name}=")
+    assert repr(options[name]) in message and "must be" in message
+
+
+def test_bad_preset_and_generate_arguments(model):
+    with pytest.raises(ValueError, match="preset='turbo'.*one of"):
+        AccelerationSettings.preset("turbo")
+    with pytest.raises(ValueError, match="override"):
+        AccelerationSettings.preset("pac", windw=4)
+    with pytest.raises(ValueError, match="seed=-1"):
+        generate(model, request(), SAMPLING, AccelerationSettings(), seed=-1)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        generate(model, request(0), SAMPLING, AccelerationSettings(), seed=0)
+
+
+def test_presets_name_their_modes():
+    assert AccelerationSettings.preset("ar").mode_name == "AR"
+    assert AccelerationSettings.preset("sjd").mode_name == "SJD"
+    assert AccelerationSettings.preset("pac").mode_name == "SJD+AC+PD"
+    assert AccelerationSettings.preset("pac+vp", relaxed="gsd").mode_name == "SJD+AC+PD+VP+GSD"
+    assert not AccelerationSettings.preset("pac+vp", relaxed="gsd").lossless
