@@ -266,3 +266,16 @@ def test_tokenizer_missing(tmp_path, anole_dir):
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         load_model(folder)
+
+
+def test_release_vqgan_config_decodes_16_pixels_per_code():
+    from sjd_core.models.vqgan import VQGANConfig, VQGANDecoder
+
+    with torch.device("meta"):  # shapes only: the release config (five levels, 8192 x 256 codebook)
+        decoder = VQGANDecoder(VQGANConfig())
+        pixels = decoder(torch.zeros(1, 3, 5, dtype=torch.long))
+    assert pixels.shape == (1, 3, 48, 80)
+    names = set(decoder.state_dict())
+    assert {"decoder.up.4.upsample.conv.weight", "decoder.up.0.block.2.conv2.weight",
+            "decoder.mid.attn_1.proj_out.weight", "post_quant_conv.weight"} <= names
+    assert "decoder.up.0.upsample.conv.weight" not in names  # the finest level does not upsample
