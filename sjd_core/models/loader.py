@@ -25,7 +25,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -188,11 +188,14 @@ def _resolve_device_map(model: nn.Module, device_map: DeviceMap, dtype: torch.dt
     return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
 
 
-def load_transformers_model(model_class: type, config, files: list[Path], device: torch.device,
+def load_transformers_model(model_class: type, config, files: list[Path] | Iterable[tuple[str, torch.Tensor]],
+                            device: torch.device,
                             dtype: torch.dtype, device_map: DeviceMap = None,
                             convert: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]] | None = None,
                             keep_float32: tuple[str, ...] = ()) -> nn.Module:
     """Build ``model_class(config)`` with empty weights and fill it from ``files``, tensor by tensor.
+
+    files: safetensors files, or (name, tensor) pairs already at hand (e.g. a weights-only ``.pt``).
 
     convert: optional (key, tensor) -> iterable of (key, tensor): renames, reshapes or drops
         checkpoint tensors (e.g. Lumina-mGPT's per-shard q/k norms).
@@ -217,7 +220,8 @@ def load_transformers_model(model_class: type, config, files: list[Path], device
     expected.update(buffers)
     seen: set[str] = set()
     unexpected: list[str] = []
-    stream = _tensors(files)
+    on_disk = isinstance(files, list) and all(isinstance(f, Path) for f in files)
+    stream = _tensors(files) if on_disk else iter(files)
     for key, value in stream:
         for name, tensor in (convert(key, value) if convert else ((key, value),)):
             if name not in expected:
