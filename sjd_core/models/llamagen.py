@@ -42,13 +42,12 @@ import torch
 
 from .family_common import check_codes, pick_grid, read_json, to_images
 from .hf_session import Context, DecoderParts, HFSession
-from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ_SAFETENSORS, LlamaGenSpec, build_gpt,
-                                  build_vq, image_size_from_name, infer_spec, llama_config,
-                                  read_state_dict, safetensors_shapes, shapes_of, tensor_converter,
-                                  vq_downsample, vq_to_janus)
+from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ_SAFETENSORS, LlamaGenSpec,
+                                  build_gpt, build_vq, image_size_from_name, infer_spec,
+                                  read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
+                                  vq_to_janus)
 from .llamagen_modules import LlamaGenTransformer
-from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
-                     safetensors_files)
+from .loader import input_device, register_family, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
@@ -283,18 +282,13 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel
     if gpt_file.suffix == ".safetensors":
         files = safetensors_files(folder) if gpt_file.name == GPT_SAFETENSORS else [gpt_file]
         spec = infer_spec(safetensors_shapes(files[0]), size, settings.get("n_head"), str(gpt_file))
-        model = load_transformers_model(LlamaGenTransformer, llama_config(spec, size // factor), files,
-                                        device, dtype, device_map, convert=tensor_converter(spec))
+        model = build_gpt(files, spec, size // factor, device, dtype, device_map)
     else:
-        if device_map is not None:
-            raise ValueError(f"device_map needs the safetensors form of {gpt_file.name!r}: convert it once "
-                             f"with `python -m sjd_core.models.llamagen_checkpoint {gpt_file} {vq_file} "
-                             f"OUT_DIR` and load OUT_DIR.")
         state = read_state_dict(gpt_file)
         spec = infer_spec(shapes_of(state), size, settings.get("n_head"), str(gpt_file))
-        model = build_gpt(state, spec, size // factor, device, dtype, str(gpt_file))
+        model = build_gpt(list(state.items()), spec, size // factor, device, dtype, device_map)
         del state
-    vq = build_vq(vq_config, vq_state, input_device(model), dtype, str(vq_file))
+    vq = build_vq(vq_config, vq_state, input_device(model), dtype)
     return LlamaGenModel(model, vq, spec, folder)
 
 

@@ -10,7 +10,8 @@ state dict) and no config. This module:
   ``llamagen.json``);
 - maps the GPT onto ``LlamaForCausalLM``: the fused ``wqkv`` is split, query/key rows are permuted
   from LlamaGen's interleaved rotation pairs to the rotate-half layout, and the rotary module is
-  swapped for :class:`~sjd_core.models.llamagen_modules.LlamaGenRotary`;
+  swapped for :class:`~sjd_core.models.llamagen_modules.LlamaGenRotary`; both formats are loaded
+  tensor by tensor by the shared ``load_transformers_model`` (``device_map`` included);
 - maps the VQ-16 onto transformers' ``JanusVQVAE`` (the same network) by renaming keys;
 - converts a ``.pt`` pair once to ``model.safetensors`` + ``vq.safetensors`` + ``llamagen.json``
   (``python -m sjd_core.models.llamagen_checkpoint GPT.pt VQ.pt OUT_DIR``), which then loads
@@ -34,7 +35,8 @@ from safetensors.torch import load_file, save_file
 from transformers import JanusVQVAE, JanusVQVAEConfig, LlamaConfig
 
 from .family_common import read_json
-from .llamagen_modules import LlamaGenRotary, LlamaGenTransformer
+from .llamagen_modules import LlamaGenTransformer
+from .loader import DeviceMap, load_transformers_model
 
 SIDECAR = "llamagen.json"
 GPT_SAFETENSORS = "model.safetensors"
@@ -225,53 +227,13 @@ def llama_config(spec: LlamaGenSpec, grid_size: int) -> LlamaConfig:
     return config
 
 
-def materialise(module: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
-                device: torch.device, dtype: torch.dtype, what: str) -> torch.nn.Module:
-    """Fill a meta-initialised ``module`` tensor by tensor (cast, moved, assigned: no second copy).
-
-    Raises ``ValueError`` naming missing or unexpected tensors before the module is returned.
-    """
-    expected = module.state_dict(keep_vars=True)
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in tensors:
-        if name not in expected:
-            unexpected.append(name)
-            continue
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{what}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(expected[name].shape)}.")
-        value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        if leaf in target._parameters:
-            target._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-        else:
-            target._buffers[leaf] = value
-        seen.add(name)
-    if unexpected:
-        raise ValueError(f"{what} holds tensors this model does not have: {sorted(unexpected)[:8]}.")
-    missing = sorted(set(expected) - seen)
-    if missing:
-        raise ValueError(f"{what} is incomplete: {len(missing)} tensors are missing, e.g. {missing[:5]} "
-                         f"(truncated or partial file?).")
-    for name, buffer in module.named_buffers():
-        if buffer.is_meta:
-            raise ValueError(f"{what}: buffer {name!r} has no value after loading.")
-    return module.to(device).eval()
-
-
-def build_gpt(state: dict[str, torch.Tensor], spec: LlamaGenSpec, grid_size: int,
-              device: torch.device, dtype: torch.dtype, source: str = "LlamaGen GPT checkpoint",
-              ) -> LlamaGenTransformer:
-    """A ready :class:`LlamaGenTransformer` from an in-memory LlamaGen state dict (``.pt`` path)."""
-    with torch.device("meta"):
-        model = LlamaGenTransformer(llama_config(spec, grid_size))
-    # the rotary table is computed, not loaded: rebuild it off the meta device
-    model.model.rotary_emb = LlamaGenRotary(grid_size, spec.head_dim, spec.cond_tokens, spec.rope_base)
-    convert = tensor_converter(spec)
-    pairs = (pair for key, value in state.items() for pair in convert(key, value))
-    return materialise(model, pairs, device, dtype, source)
+def build_gpt(tensors: Iterable[tuple[str, torch.Tensor]] | list[Path], spec: LlamaGenSpec,
+              grid_size: int, device: torch.device, dtype: torch.dtype,
+              device_map: DeviceMap = None) -> LlamaGenTransformer:
+    """A ready :class:`LlamaGenTransformer` from LlamaGen tensors (a ``.pt`` state dict's items or
+    safetensors files), filled one tensor at a time by the shared loader."""
+    return load_transformers_model(LlamaGenTransformer, llama_config(spec, grid_size), tensors, device,
+                                   dtype, device_map, convert=tensor_converter(spec))
 
 
 _VQ_RENAMES = [
@@ -325,11 +287,9 @@ def vq_downsample(config: JanusVQVAEConfig) -> int:
 
 
 def build_vq(config: JanusVQVAEConfig, renamed: dict[str, torch.Tensor], device: torch.device,
-             dtype: torch.dtype, source: str = "VQ checkpoint") -> JanusVQVAE:
+             dtype: torch.dtype) -> JanusVQVAE:
     """A ready ``JanusVQVAE`` holding LlamaGen's VQ-16 weights (from :func:`vq_to_janus`)."""
-    with torch.device("meta"):
-        vq = JanusVQVAE(config)
-    return materialise(vq, renamed.items(), device, dtype, source)
+    return load_transformers_model(JanusVQVAE, config, list(renamed.items()), device, dtype)
 
 
 def convert_to_safetensors(gpt: str | Path, vq: str | Path, out_dir: str | Path,
@@ -383,5 +343,4 @@ if __name__ == "__main__":
     _main()
 
 __all__ = ["LlamaGenSpec", "read_state_dict", "image_size_from_name", "shapes_of",
-           "safetensors_shapes", "infer_spec", "tensor_converter", "llama_config", "materialise",
-           "build_gpt", "vq_to_janus", "vq_downsample", "build_vq", "convert_to_safetensors"]
+           "safetensors_shapes", "infer_spec", "tensor_converter", "llama_config", "build_gpt", "vq_to_janus", "vq_downsample", "build_vq", "convert_to_safetensors"]
