@@ -121,6 +121,21 @@ def test_resolutions_and_decode(model):
         model.decode(torch.full((1, 4, 4), 64))
 
 
+def test_real_size_layout():
+    """Emu3-Gen's real configuration (built on the meta device): ids, grids and resolutions."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration
+
+    vocabulary = {f"<|visual token {k:06d}|>": 151854 + k for k in range(32768)}
+    vocabulary.update({"<|extra_200|>": 151846, "<|image start|>": 151851, "<|image token|>": 151853})
+    with torch.device("meta"):
+        real = Emu3ForConditionalGeneration(Emu3Config(vocabulary_map=vocabulary))
+    adapter = emu3.Emu3Model(real, tokenizer=None)
+    assert (adapter.code_offset, adapter.codebook_size, adapter.pixels_per_code) == (151854, 32768, 8)
+    assert adapter.grid_for(None) == (90, 90)
+    assert adapter.supported_resolutions() == [(720, 720), (832, 624), (624, 832), (960, 544), (544, 960),
+                                               (880, 584), (584, 880)]
+
+
 def test_bad_checkpoints_are_refused_before_loading(folder, tmp_path):
     broken = tmp_path / "no-tokenizer"
     shutil.copytree(folder, broken)

@@ -89,6 +89,17 @@ def test_resolution_and_decode(model):
         model.decode(torch.zeros(1, 2, 8, dtype=torch.long))
 
 
+def test_real_size_layout():
+    """Janus-Pro's real configuration (built on the meta device): 384 px, 24 x 24 codes of 16384."""
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    with torch.device("meta"):
+        real = JanusForConditionalGeneration(JanusConfig())
+    adapter = janus.JanusModel(real, tokenizer=None, bos_id=100000, image_start_id=100016, pad_id=100015)
+    assert adapter.supported_resolutions() == [(384, 384)] and adapter.grid_for(None) == (24, 24)
+    assert adapter.codebook_size == 16384
+
+
 def test_bad_checkpoints_are_refused_before_loading(folder, tmp_path):
     broken = tmp_path / "no-tokenizer"
     shutil.copytree(folder, broken)

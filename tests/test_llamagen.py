@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests import family_checks as fc
-from sjd_core.models import llamagen
+from sjd_core.models import llamagen, llamagen_modules
 from sjd_core.models.llamagen_checkpoint import (build_gpt, infer_spec,
                                                  read_state_dict, shapes_of, _main)
 from sjd_core.models.loader import load_model
@@ -170,6 +170,27 @@ def test_full_forward_matches_the_reference_including_grouped_kv_heads():
             logits = model.lm_head(hidden)[0]
         torch.testing.assert_close(logits.double(), reference_forward(state, HEADS, cond, CODES, GRID[1]),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_published_sizes_are_inferred_from_tensor_shapes():
+    """GPT-L (c2i, 384 px) and GPT-3B (t2i) from their tensor shapes alone, as the .pt files give them."""
+    def shapes(dim, layers, ffn, cond):
+        out = {"tok_embeddings.weight": (16384, dim), "output.weight": (16384, dim), "norm.weight": (dim,)}
+        for i in range(layers):
+            out[f"layers.{i}.attention.wqkv.weight"] = (3 * dim, dim)
+            out[f"layers.{i}.feed_forward.w1.weight"] = (ffn, dim)
+        return out | cond
+
+    large = infer_spec(shapes(1024, 24, 2816, {"cls_embedding.embedding_table.weight": (1001, 1024)}), 384)
+    assert (large.kind, large.n_layer, large.n_head, large.n_kv_head, large.head_dim) == ("c2i", 24, 16, 16, 64)
+    assert (large.num_classes, large.cond_tokens, large.intermediate) == (1000, 1, 2816)
+    three_b = infer_spec(shapes(3200, 24, 8704, {"cls_embedding.cap_proj.fc1.weight": (3200, 2048),
+                                                 "cls_embedding.uncond_embedding": (120, 2048)}), 512)
+    assert (three_b.kind, three_b.n_head, three_b.head_dim, three_b.cond_tokens, three_b.caption_dim) == (
+        "t2i", 32, 100, 120, 2048)
+    table = llamagen_modules.LlamaGenRotary(grid_size=24, head_dim=64, cond_tokens=1)
+    assert table.cos_table.shape == (1 + 24 * 24, 64)
+    assert float(table.cos_table[0].abs().max()) == 0.0 and float(table.cos_table[1].min()) == 1.0
 
 
 def test_c2i_recipe(c2i):
