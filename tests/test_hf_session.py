@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sjd_core.models import hf_session
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
@@ -162,3 +164,62 @@ def test_rows_keep_different_counts(llama, monkeypatch):
         session.keep(keep)
         cached = [c + k for c, k in zip(cached, take)]
     assert compactions, "rows diverged but the cache was never compacted"
+
+
+SYNC_OPS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
+            "numpy", "masked_select", "unique", "argwhere"}
+
+
+class _HostReads(TorchFunctionMode):
+    """Records tensor operations that need values on the host, except on the ``allowed`` tensors."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        super().__init__()
+        self.allowed, self.names = allowed, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        bool_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:])
+        if (name in SYNC_OPS or bool_index) and not all(id(a) in self.allowed for a in tensors):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_steady_state_reads_nothing_back(llama, monkeypatch):
+    """After the first forward, forward + keep only touch the counts keep sent to the host."""
+    host_copies: set[int] = set()
+    send = hf_session._to_host_async
+
+    def tracked(values):
+        host, ready = send(values)
+        host_copies.add(id(host))
+        return host, ready
+
+    monkeypatch.setattr(hf_session, "_to_host_async", tracked)
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT)), Context(ids=torch.tensor([1, 9]))],
+                        [Context(ids=torch.tensor([2, 9]))] * 2, GRID)
+    tree = chain(4)
+    session.forward(torch.zeros(2, 4, dtype=torch.long), torch.arange(-1, 3).expand(2, 4), tree)
+    session.keep(torch.tensor([[True, True, False, False], [True, False, False, False]]))
+    cached, reads = [1, 0], _HostReads(host_copies)
+    with reads:
+        for _ in range(4):
+            slots = torch.stack([torch.arange(c, c + 4) for c in cached]).clamp(max=11)
+            session.forward(torch.ones(2, 4, dtype=torch.long), slots, tree)
+            session.keep(torch.tensor([[True, True, True, False], [True, True, False, False]]))
+            cached = [cached[0] + 3, cached[1] + 2]
+    assert reads.names == []
+    with reads:  # the recorder is not blind
+        torch.arange(3).tolist()
+        bool(torch.ones(1))
+    assert reads.names == ["tolist", "__bool__"]
+
+
+@torch.no_grad()
+def test_slots_that_skip_the_cached_prefix_are_refused(llama):
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
+    with pytest.raises(RuntimeError, match="do not continue the cached prefix"):
+        session.forward(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[3, 7, 11]]), chain(3))

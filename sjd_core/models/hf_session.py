@@ -22,9 +22,11 @@ class embedding): the prefill runs everything before it and the engine feeds it 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -117,6 +119,19 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)
 
 
+def _to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Start copying ``values`` to the host; returns the host tensor and an event to wait on."""
+    if values.device.type == "cpu":
+        return values, None
+    if values.device.type != "cuda":
+        return values.to("cpu"), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(values.device))
+    return host, ready
+
+
 class HFSession(DecodingSession):
     """A prefilled cache for ``B`` images (and their unconditional rows) on a transformers decoder.
 
@@ -125,9 +140,15 @@ class HFSession(DecodingSession):
     padding of the prefill and entries a row did not keep while another row did are *dead*
     entries: they cost memory and attention work but are never attended to. When dead entries
     exceed a quarter of the cache (and at least 64), the cache is compacted per row (one gather
-    per layer, O(cache) memory traffic). ``keep`` itself reads nothing back from the device: the
-    cache is cropped to the longest row lazily, in the next ``forward``, whose one device->host
-    read (three integers) also sizes that forward's token layout.
+    per layer, O(cache) memory traffic).
+
+    No device->host read on the hot path: ``keep`` starts an asynchronous copy of a few counts
+    (tokens and nodes kept per row), which the next ``forward`` uses to crop the cache to its
+    longest row. The token layout of a forward (how many row ends it inserts) is sized on the
+    host from those counts and the tree's depths, assuming the protocol's slot rule: a node's
+    slot is the row's first uncached slot plus its depth in the tree (slots past the grid are
+    clamped). The depths are read once per distinct ``ancestors`` tensor. A forward whose slots
+    break the rule and need more row ends than that fails an assertion on the device.
     """
 
     compact_min = 64
@@ -144,8 +165,10 @@ class HFSession(DecodingSession):
         self._rows = len(contexts)
         self._cache = DynamicCache(config=parts.cache_config)
         self._valid = torch.zeros(self._rows, 0, dtype=torch.bool, device=parts.device)
-        self._pending: torch.Tensor | None = None  # (R,) entries kept by the last keep, lazily cropped
+        self._pending: tuple[torch.Tensor, object] | None = None  # counts of the last keep, copy event
         self._base_len = 0  # cache length before the last forward's region
+        self._cached_nodes = np.zeros(self.batch_size, dtype=np.int64)  # host: nodes kept per image
+        self._depths: tuple | None = None  # (weakref to ancestors, its version, host depths)
         self._fed: tuple[torch.Tensor, torch.Tensor] | None = None  # (token node, real) of last forward
         self._prefill(contexts)
 
@@ -206,6 +229,32 @@ class HFSession(DecodingSession):
                 layer.values = layer.values.gather(2, idx)
         self._valid = torch.arange(length, device=count.device)[None, :] < count[:, None]
 
+    def _apply_pending(self) -> None:
+        """Crop (and maybe compact) the cache with the counts the last ``keep`` sent to the host."""
+        host, ready = self._pending
+        self._pending = None
+        if ready is not None:
+            ready.synchronize()  # long done in practice: the engine reads its own results first
+        counts, rows = host.numpy(), self._rows
+        kept, valid, nodes = counts[:rows], counts[rows:2 * rows], counts[2 * rows:]
+        self._cached_nodes += nodes
+        length, longest = self._base_len + int(kept.max()), int(valid.max())
+        self._crop_to(length)
+        if length - longest > max(self.compact_min, length // 4):
+            self._compact(longest)
+
+    def _row_ends_needed(self, ancestors: torch.Tensor) -> int:
+        """Most row-end tokens any row needs this forward, from host-side state only."""
+        if self.parts.row_end_id is None:
+            return 0
+        known = self._depths
+        if known is None or known[0]() is not ancestors or known[1] != ancestors._version:
+            depths = ancestors.to("cpu", torch.long).sum(1).numpy() - 1  # once per tree
+            self._depths = known = (weakref.ref(ancestors), ancestors._version, depths)
+        w, last = self.grid_width, self.grid_height * self.grid_width - 1
+        slots = np.minimum((self._cached_nodes - 1)[:, None] + known[2][None, :], last)
+        return int(((slots >= 0) & (slots % w == w - 1)).sum(1).max())
+
     @torch.no_grad()
     def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,28 +268,19 @@ class HFSession(DecodingSession):
         if self._fed is not None:  # a forward nobody kept anything of
             self.keep(torch.zeros(b, t, dtype=torch.bool))
         reps = 2 if self.guided else 1
-        w = self.grid_width
+        w, last = self.grid_width, self.grid_height * self.grid_width - 1
+        if self._pending is not None:
+            self._apply_pending()
+        n_tok = t + self._row_ends_needed(ancestors)
         codes = codes.to(dev).repeat(reps, 1)
-        slots = slots.to(dev).repeat(reps, 1).clamp(max=self.grid_height * w - 1)
+        slots = slots.to(dev).repeat(reps, 1).clamp(max=last)
         ends_row = (slots >= 0) & (slots % w == w - 1)
         if p.row_end_id is None:
             ends_row = torch.zeros_like(ends_row)
         end_tok = (1 + ends_row.long()).cumsum(1)  # exclusive end of each node's tokens
-
-        # The one device->host read: this forward's token count, and for the lazy crop of the last
-        # keep the longest kept run and the largest per-row valid count after it.
-        stats = [end_tok[:, -1].max()]
-        if self._pending is not None:
-            kept = self._pending
-            stats += [kept.max(), (self._valid[:, :self._base_len].sum(1) + kept).max()]
-        stats = torch.stack(stats).tolist()
-        n_tok = int(stats[0])
-        if self._pending is not None:
-            length, longest = self._base_len + int(stats[1]), int(stats[2])
-            self._crop_to(length)
-            self._pending = None
-            if length - longest > max(self.compact_min, length // 4):
-                self._compact(longest)
+        torch._assert_async((end_tok[:, -1] <= n_tok).all(),
+                            "HFSession.forward: node slots do not continue the cached prefix "
+                            "(slot = first uncached slot + depth in the tree)")
 
         rows = self._rows
         start_tok = end_tok - 1 - ends_row.long()
@@ -283,7 +323,7 @@ class HFSession(DecodingSession):
 
         A kept node keeps all its tokens (code and row end). Kept entries move to the front of the
         last forward's region in their fed order; the region is cropped to the longest row at the
-        next forward. Reads nothing back from the device.
+        next forward. Reads nothing back from the device (the counts travel asynchronously).
         """
         if self._fed is None:
             raise RuntimeError("keep() called without a forward() before it.")
@@ -311,4 +351,5 @@ class HFSession(DecodingSession):
         self._valid = torch.cat(
             [self._valid[:, :base], torch.arange(n_tok, device=dev)[None, :] < kept[:, None]], dim=1)
         self._base_len = base
-        self._pending = kept
+        counts = torch.cat([kept, self._valid.sum(1), mask[:self.batch_size].sum(1)])
+        self._pending = _to_host_async(counts)
