@@ -37,6 +37,8 @@ class DraftTree:
     children: torch.Tensor  # (T, branching) child node ids, -1 where absent
     ancestors: torch.Tensor  # (T, T) bool, ancestors and self
     route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
+    inner_nodes: torch.Tensor  # (I,) nodes whose children are K candidates (the PD tree's inside)
+    inner_index: torch.Tensor  # (T,) position of each node in inner_nodes, -1 for the others
 
     @property
     def size(self) -> int:
@@ -89,10 +91,14 @@ class DraftTree:
             for d in range(depth[node] + 1, window):
                 below = children[below][0] if children[below] else main[d]
                 route[node, d] = below
+        inner = [node for node in range(size) if depth[node] < levels]
+        inner_index = torch.full((size,), -1, dtype=torch.long)
+        inner_index[inner] = torch.arange(len(inner))
         to = dict(device=device)
         return DraftTree(window, levels, branching, torch.tensor(parent, **to),
                          torch.tensor(depth, **to), torch.tensor(source, **to).clamp_min(0),
-                         child_table.to(device), ancestors.to(device), route.to(device))
+                         child_table.to(device), ancestors.to(device), route.to(device),
+                         torch.tensor(inner, dtype=torch.long, **to), inner_index.to(device))
 
 
 @dataclass

@@ -33,6 +33,8 @@ COMMIT_KINDS = {0: "not committed", ACCEPTED: "draft accepted", RESIDUAL: "resid
 class ExactAcceptance:
     """The lossless test: masses ``p(x)`` and ``q(x)`` themselves."""
 
+    uses_q = False  # the rule reads only q(x), never the whole draft distribution
+
     def masses(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, p_x: torch.Tensor,
                q_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return p_x, q_x
@@ -46,6 +48,8 @@ class LanternAcceptance:
     ``u * q(x) <= p(x) + p(A(x))``. Never accepts less often than the exact rule on the same
     uniforms; adds at most ``delta`` of mass; ``delta = 0`` is the exact rule.
     """
+
+    uses_q = False
 
     def __init__(self, embeddings: torch.Tensor, neighbours: int, delta: float) -> None:
         self.delta = delta
@@ -67,6 +71,8 @@ class GsdAcceptance:
     ``embedding_tolerance`` of ``x``'s. Accept if ``u * sum_G q <= sum_G p``; on rejection the
     usual residual. Defaults follow the published code: radius 7, 0.15, 0.5.
     """
+
+    uses_q = True
 
     def __init__(self, embeddings: torch.Tensor, rank_radius: int, prob_tolerance: float,
                  embedding_tolerance: float) -> None:
@@ -136,60 +142,89 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     ``p`` (B, T, V): target distribution after each fed node; ``node_tokens``/``node_valid``
     (B, T); ``q_slots`` (B, L, V): draft distribution per window offset; ``uniforms`` (B, T, K);
     ``final_noise`` (B, V) for the residual or bonus draw at the end of the path.
+
+    The first candidate of every parent is tested with gathered scalars; only the parents that
+    have siblings (the PD tree's inner nodes) carry full residual distributions through the
+    later candidates, and the final residual is formed for the one node where the path ends.
     """
     batch, size, vocab = p.shape
     window = q_slots.shape[1]
-    q = q_slots.gather(1, tree.depth.clamp_max(window - 1)[None, :, None].expand(batch, -1, vocab))
-    chosen = torch.full((batch, size), -1, dtype=torch.long, device=p.device)
-    decided = torch.zeros(batch, size, dtype=torch.bool, device=p.device)
-    tested = torch.zeros_like(decided)
-    relaxed = torch.zeros_like(decided)
-    nan = torch.full((batch, size), float("nan"), device=p.device)
-    first_probability, taken_probability = nan, nan.clone()
-    for k in range(tree.branching):
-        child = tree.children[:, k]
-        safe = child.clamp_min(0)
-        x = node_tokens[:, safe]
-        live = (child >= 0) & node_valid[:, safe] & ~decided
-        p_x = p.gather(-1, x[..., None]).squeeze(-1)
-        q_x = q.gather(-1, x[..., None]).squeeze(-1)
-        p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
-        u = uniforms[..., k]
+    parent_slot = tree.depth.clamp_max(window - 1)
+
+    def q_of(nodes: torch.Tensor) -> torch.Tensor:
+        return q_slots.gather(1, parent_slot[nodes][None, :, None].expand(batch, -1, vocab))
+
+    def test(k, nodes, p_nodes, q_nodes, q_x):
+        child = tree.children[nodes, k]
+        x = node_tokens.gather(1, child.clamp_min(0).expand(batch, -1))
+        live = (child >= 0) & node_valid.gather(1, child.clamp_min(0).expand(batch, -1))
+        p_x = p_nodes.gather(-1, x[..., None]).squeeze(-1)
+        q_x = q_x(x)
+        p_mass, q_mass = rule.masses(p_nodes, q_nodes, x, p_x, q_x)
+        u = uniforms[:, nodes, k]
         accept = live & (u * q_mass <= p_mass)
         probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
-        if k == 0:
-            first_probability = torch.where(live, probability, nan)
-        taken_probability = torch.where(accept, probability, taken_probability)
-        relaxed |= accept & ~(u * q_x <= p_x)
-        chosen = torch.where(accept, child, chosen)
-        tested |= live
-        step = (live & ~accept)[..., None]
-        if k + 1 < tree.branching:
-            q_next = normalise(q.scatter(-1, x[..., None], 0.0), q)
-            p, q = torch.where(step, residual(p, q), p), torch.where(step, q_next, q)
-        else:
-            p = torch.where(step, residual(p, q), p)
-        decided |= accept
-    edge = torch.zeros_like(decided)
-    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == torch.arange(
-        1, size, device=p.device)
+        return x, live, accept, accept & ~(u * q_x <= p_x), probability
+
+    every = torch.arange(size, device=p.device)
+    rows = torch.arange(batch, device=p.device)[:, None]
+    x, live, accept, relaxed, probability = test(
+        0, every, p, q_of(every) if rule.uses_q else None,
+        lambda x: q_slots[rows, parent_slot, x])
+    nan = torch.full_like(probability, float("nan"))
+    first_probability = torch.where(live, probability, nan)
+    taken_probability = torch.where(accept, probability, nan)
+    chosen = torch.where(accept, tree.children[:, 0], -1)
+    tested = live
+    final_inner = None
+    if tree.branching > 1:
+        inner = tree.inner_nodes
+        p_in, q_in = p[:, inner], q_of(inner)
+        decided = accept[:, inner]
+        for k in range(1, tree.branching):
+            step = (live[:, inner] & ~decided) if k == 1 else (live_k & ~decided)
+            step = step[..., None]
+            previous = x[:, inner] if k == 1 else x_k
+            q_next = normalise(q_in.scatter(-1, previous[..., None], 0.0), q_in)
+            p_in, q_in = torch.where(step, residual(p_in, q_in), p_in), torch.where(step, q_next, q_in)
+            x_k, live_k, accept_k, relaxed_k, probability_k = test(
+                k, inner, p_in, q_in, lambda x: q_in.gather(-1, x[..., None]).squeeze(-1))
+            live_k = live_k & ~decided
+            accept_k = accept_k & live_k
+            index = inner.expand(batch, -1)
+            chosen = chosen.scatter(1, index, torch.where(accept_k, tree.children[inner, k],
+                                                          chosen[:, inner]))
+            taken_probability = taken_probability.scatter(
+                1, index, torch.where(accept_k, probability_k, taken_probability[:, inner]))
+            relaxed = relaxed.scatter(1, index, relaxed[:, inner] | (relaxed_k & accept_k))
+            decided = decided | accept_k
+        last = (live_k & ~decided)[..., None]
+        final_inner = torch.where(last, residual(p_in, q_in), p_in)
+    edge = torch.zeros_like(live)
+    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == every[1:]
     edge[:, 0] = True
     on_path = ~((~edge)[:, None, :] & tree.ancestors[None]).any(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
     accepted = tree.depth[deepest]
     path = tree.route[deepest]
-    final_dist = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
+    ends_tested = tested.gather(1, deepest[:, None]).squeeze(1)
+    p_end = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
+    q_end = q_slots.gather(1, parent_slot[deepest][:, None, None].expand(-1, 1, vocab)).squeeze(1)
+    final_dist = torch.where(ends_tested[:, None], residual(p_end, q_end), p_end)
+    if final_inner is not None:
+        slot_in_inner = tree.inner_index[deepest]
+        from_inner = final_inner.gather(1, slot_in_inner.clamp_min(0)[:, None, None]
+                                        .expand(-1, 1, vocab)).squeeze(1)
+        final_dist = torch.where((slot_in_inner >= 0)[:, None], from_inner, final_dist)
     final_token = race(final_dist, final_noise)
     offsets = torch.arange(window, device=p.device)
     next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
     tokens = torch.where(offsets == accepted[:, None], final_token[:, None],
                          node_tokens.gather(1, next_nodes))
-    at_path = lambda values: values.gather(1, path)  # noqa: E731
-    final_kind = torch.where(at_path(tested).gather(1, accepted[:, None]).squeeze(1),
-                             RESIDUAL, BONUS)
+    final_kind = torch.where(ends_tested, RESIDUAL, BONUS)
     kinds = torch.where(offsets < accepted[:, None],
-                        torch.where(at_path(relaxed), RELAXED, ACCEPTED),
+                        torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED),
                         final_kind[:, None].expand(-1, window))
-    probability = torch.where(offsets < accepted[:, None], at_path(taken_probability),
-                              at_path(first_probability))
+    probability = torch.where(offsets < accepted[:, None], taken_probability.gather(1, path),
+                              first_probability.gather(1, path))
     return Verdict(path, accepted, tokens, kinds, probability)
