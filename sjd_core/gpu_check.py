@@ -23,7 +23,7 @@ import torch
 
 from .engine import generate
 from .drafting import DraftTree
-from .models.chameleon import LUMINA, ChameleonImageModel, synthetic_vocabulary
+from .models.chameleon import LUMINA, ChameleonImageModel, TokenLayout, synthetic_vocabulary
 from .models.protocol import GenerationRequest
 from .models.vqgan import VQGANConfig, VQGANDecoder
 from .settings import AccelerationSettings, SamplingSettings
@@ -81,7 +81,9 @@ def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> Chamele
         set_module_tensor_to_device(model, name, device, value=value)
     model.to(device)
     vqgan = VQGANDecoder(size.vqgan).to(device).eval()
-    return ChameleonImageModel(LUMINA, model.eval(), _WordTokenizer(), vqgan, [768, 512, 1024])
+    sizes = [768, 512, 1024]
+    layout = TokenLayout.read(vocab, LUMINA, sizes)
+    return ChameleonImageModel(LUMINA, model.eval(), _WordTokenizer(), vqgan, sizes, layout)
 
 
 def _sync(device: torch.device) -> None:

@@ -279,3 +279,20 @@ def test_release_vqgan_config_decodes_16_pixels_per_code():
     assert {"decoder.up.4.upsample.conv.weight", "decoder.up.0.block.2.conv2.weight",
             "decoder.mid.attn_1.proj_out.weight", "post_quant_conv.weight"} <= names
     assert "decoder.up.0.upsample.conv.weight" not in names  # the finest level does not upsample
+
+
+def test_vocabulary_without_a_needed_token_is_refused_before_loading(tmp_path, lumina_dir, monkeypatch):
+    import json
+    import shutil
+
+    import sjd_core.models.chameleon as chameleon
+
+    folder = tmp_path / lumina_dir.name
+    shutil.copytree(lumina_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["vocabulary_map"]["<reserved08799>"]
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(chameleon, "load_transformers_model",
+                        lambda *a, **k: pytest.fail("weights loaded before the vocabulary was checked"))
+    with pytest.raises(ValueError, match="lacks '<reserved08799>'"):
+        load_model(folder)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -37,7 +38,7 @@ from .loader import (input_device, load_transformers_model, register_family, res
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
-__all__ = ["ChameleonImageModel", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary", "LUMINA", "ANOLE"]
+__all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary", "LUMINA", "ANOLE"]
 
 LUMINA, ANOLE = "lumina-mgpt", "anole"
 PIXELS_PER_CODE = 16
@@ -115,47 +116,63 @@ def _per_head_norms(num_heads: int, num_kv_heads: int):
     return convert
 
 
-class ChameleonImageModel:
-    """Lumina-mGPT or Anole behind the :class:`~sjd_core.models.protocol.ImageTokenModel` protocol."""
+@dataclass(frozen=True)
+class TokenLayout:
+    """The token ids a family's prompts and images use, read from ``vocabulary_map``."""
 
-    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder, sizes: list[int]) -> None:
-        self.family = family
-        self.model = model
-        self.tokenizer = tokenizer
-        self.vqgan = vqgan
-        self._sizes = sizes
-        cfg = model.config
-        vocab = cfg.vocabulary_map or {}
+    code_ids: torch.Tensor  # (codebook,) token id of each code
+    image_start: int
+    image_end: int
+    end_of_turn: int | None
+    row_end: int | None
+    size_ids: dict[int, int]  # 32-pixel units -> size token id
+
+    @classmethod
+    def read(cls, vocab: dict[str, int], family: str, sizes: list[int]) -> "TokenLayout":
+        """Checks every name the family needs (before any weights load)."""
         from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocabularyMapping
 
         bpe2img = ChameleonImageVocabularyMapping(vocab).bpe2img
         if not bpe2img:
-            raise ValueError("config.json has no IMGIMG image tokens in vocabulary_map; not a Chameleon image model.")
-        self.codebook_size = len(bpe2img)
-        self.device = input_device(model)
-        ids = torch.empty(self.codebook_size, dtype=torch.long)
+            raise ValueError(f"config.json's vocabulary_map has no IMGIMG image tokens: not a {family} checkpoint.")
+        ids = torch.empty(len(bpe2img), dtype=torch.long)
         ids[torch.tensor(list(bpe2img.values()))] = torch.tensor(list(bpe2img.keys()))
-        self.code_ids = ids.to(self.device)
-        self._contiguous = bool((ids == ids[0] + torch.arange(len(ids))).all())
 
         def token(name: str) -> int:
             if name not in vocab:
                 raise ValueError(f"config.json's vocabulary_map lacks {name!r}, which {family} needs.")
             return int(vocab[name])
 
-        self.bos_id = int(cfg.bos_token_id)
-        self.image_start_id = token("<racm3:break>")
-        self.image_end_id = token("<eoss>")
+        lumina = family == LUMINA
+        return cls(code_ids=ids, image_start=token("<racm3:break>"), image_end=token("<eoss>"),
+                   end_of_turn=token("<reserved08706>") if lumina else None,
+                   row_end=token("<reserved08799>") if lumina else None,
+                   size_ids={n: token(f"<reserved{8800 + n:05d}>") for n in {s // SIZE_UNIT for s in sizes}}
+                   if lumina else {})
+
+
+class ChameleonImageModel:
+    """Lumina-mGPT or Anole behind the :class:`~sjd_core.models.protocol.ImageTokenModel` protocol."""
+
+    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder, sizes: list[int],
+                 layout: TokenLayout) -> None:
+        self.family = family
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vqgan = vqgan
+        self._sizes = sizes
+        self.codebook_size = len(layout.code_ids)
+        self.device = input_device(model)
+        self.code_ids = layout.code_ids.to(self.device)
+        ids = layout.code_ids
+        self._contiguous = bool((ids == ids[0] + torch.arange(len(ids))).all())
+        self.bos_id = int(model.config.bos_token_id)
+        self.image_start_id, self.image_end_id = layout.image_start, layout.image_end
+        self.end_of_turn_id, self.row_end_id = layout.end_of_turn, layout.row_end
+        self._size_ids = layout.size_ids
         if family == LUMINA:
-            self.end_of_turn_id = token("<reserved08706>")
-            self.row_end_id: int | None = token("<reserved08799>")
-            self._size_ids = {n: token(f"<reserved{8800 + n:05d}>") for n in
-                              {s // SIZE_UNIT for s in sizes}}
             self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2000)
         else:
-            self.end_of_turn_id = None
-            self.row_end_id = None
-            self._size_ids = {}
             self.defaults = SamplingDefaults(guidance=3.0, temperature=0.7, top_k=0, top_p=0.9)
 
     # ----------------------------------------------------------------------------- layout
@@ -244,6 +261,8 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     family = family or (LUMINA if _is_lumina(folder) else ANOLE)
     dev, dtype = resolve_device_dtype(device, dtype)
     config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
+    sizes = _trained_sizes(folder) if family == LUMINA else [ANOLE_SIZE]
+    layout = TokenLayout.read(config.vocabulary_map or {}, family, sizes)
     tokenizer = load_tokenizer(folder, family)
     yaml_file, ckpt_file = find_vqgan(folder)
     files = safetensors_files(folder)
@@ -252,8 +271,7 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
                                     device_map=device_map, convert=convert)
     vqgan = vqgan.to(input_device(model))
-    sizes = _trained_sizes(folder) if family == LUMINA else [ANOLE_SIZE]
-    return ChameleonImageModel(family, model, tokenizer, vqgan, sizes)
+    return ChameleonImageModel(family, model, tokenizer, vqgan, sizes, layout)
 
 
 _EXPECTS = ("config.json (model_type 'chameleon'{}), model.safetensors or shards + "
