@@ -178,6 +178,18 @@ def test_guidance_batch_equals_separate_forwards(lumina, reference):
                                    atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_one_prompt_per_row(lumina, reference):
+    prompts = ["a fox", "a watercolor painting of a lighthouse at dusk"]
+    session = lumina.start(GenerationRequest(prompt="", batch_size=2, extra={"prompts": prompts}))
+    cond, _ = session.forward(torch.tensor([[0, 7], [0, 7]]), torch.tensor([[-1, 0], [-1, 0]]), chain(2))
+    for row, prompt in enumerate(prompts):
+        want = reference_logits(reference, lumina.prompt_ids(prompt, (512, 512)), [7])
+        torch.testing.assert_close(cond[row], want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"extra\['prompts'\]=.*list of 2 strings"):
+        lumina.start(GenerationRequest(prompt="", batch_size=2, extra={"prompts": ["one"]}))
+
+
 def test_negative_prompt_replaces_unconditional_text(lumina):
     session = lumina.start(GenerationRequest(prompt="a fox", negative_prompt="blurry", guidance=2.0))
     assert session.guided

@@ -228,16 +228,25 @@ class ChameleonImageModel:
             dtype=self.model.dtype, cache_config=self.model.config)
 
     def start(self, request: GenerationRequest) -> HFSession:
-        """Tokenise and prefill the conditional (and, with guidance, unconditional) contexts."""
+        """Tokenise and prefill the conditional (and, with guidance, unconditional) contexts.
+
+        ``request.extra["prompts"]`` (a list of ``batch_size`` strings) gives each row its own
+        prompt; otherwise every row uses ``request.prompt``.
+        """
         grid = self.grid_for(request.resolution)
         resolution = (grid[1] * PIXELS_PER_CODE, grid[0] * PIXELS_PER_CODE)
-        cond = Context(ids=torch.tensor(self.prompt_ids(request.prompt, resolution)))
+        prompts = request.extra.get("prompts", [request.prompt] * request.batch_size)
+        if (not isinstance(prompts, (list, tuple)) or len(prompts) != request.batch_size
+                or not all(isinstance(p, str) for p in prompts)):
+            raise ValueError(f"extra['prompts']={prompts!r} is not allowed: it must be a list of "
+                             f"{request.batch_size} strings, one per batch row.")
+        cond = [Context(ids=torch.tensor(self.prompt_ids(p, resolution))) for p in prompts]
         uncond = None
         if request.guidance != 1.0:
             negative = request.negative_prompt.strip()
             ids = self.prompt_ids(negative, resolution) if negative else self.image_prefix(resolution)
             uncond = [Context(ids=torch.tensor(ids))] * request.batch_size
-        return HFSession(self.parts(), [cond] * request.batch_size, uncond, grid)
+        return HFSession(self.parts(), cond, uncond, grid)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, H, W) codes -> (B, 16H, 16W, 3) float images in [0, 1] on the CPU."""
