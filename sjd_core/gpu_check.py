@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         device, dtype, size = torch.device("cpu"), torch.float32, TINY
+        torch.set_num_threads(1)  # toy sizes gain nothing from threads; leave the other cores be
     else:
         if not torch.cuda.is_available():
             print("No CUDA device: run with --tiny for the CPU smoke test.", file=sys.stderr)
