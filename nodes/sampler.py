@@ -306,7 +306,7 @@ class _LiveProgress:
             "node": self.node_id, "iteration": report.iteration, "accepted": report.accepted,
             "committed": report.committed, "total": report.total, "mode": self.mode})
 
-    def _preview(self, report: IterationReport):
+    def _preview(self, report: IterationReport) -> Image.Image | None:
         """The first image's finished code rows, decoded, at most every PREVIEW_SECONDS."""
         if not comfy_bridge.in_comfyui():
             return None
@@ -321,5 +321,4 @@ class _LiveProgress:
         grid[:, rows:] = 0  # not drawn yet: any valid code will do, those rows are blanked below
         image = self.adapter.decode(grid)[0]
         image[image.shape[0] * rows // self.grid[0]:] = 0
-
         return Image.fromarray((image.clamp(0, 1) * 255).byte().cpu().numpy())

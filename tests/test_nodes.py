@@ -159,11 +159,25 @@ def test_loader_refuses_unknown_dtype():
         Loader().load(REFERENCE, "int8")
 
 
-def test_loader_loads_the_embedded_reference_model():
-    loaded, info = Loader().load(REFERENCE, "auto")
+@pytest.fixture(scope="module")
+def reference() -> tuple[LoadedModel, str]:
+    return Loader().load(REFERENCE, "auto")
+
+
+def test_loader_loads_the_embedded_reference_model(reference):
+    loaded, info = reference
     assert loaded.family == "reference" and loaded.dtype == torch.float32
     assert loaded.patcher is None  # no ComfyUI here, nothing to manage it
     assert "32x32" in info and "family reference" in info
+
+
+def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
+    with pytest.raises(ValueError) as error:
+        sample(reference[0], prompt="a red sports car")
+    message = str(error.value)
+    assert message.startswith("SJD Sampler:") and "prompt" in message and "sneaker" in message
+    with pytest.raises(ValueError, match="resolution=768x768 is not supported by the reference"):
+        sample(reference[0], prompt="sneaker", resolution="768x768")
 
 
 # ---------------------------------------------------------------- sampler, decode, diagnostics
