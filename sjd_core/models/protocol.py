@@ -14,6 +14,9 @@ begin-of-image token, or whatever its layout puts there): the adapter substitute
 ignores ``codes`` for it. The output for a node is the model's logits over the image codebook for
 the slot *after* the node's slot, given the committed prefix and the node's ancestors.
 
+Node 0 of every forward is the last committed slot's node, and a node's slot is always that
+slot plus the node's depth in the tree (sessions may rely on this to size structural tokens).
+
 ``ancestors[i, j]`` is True when node ``i`` may attend to fed node ``j`` (its ancestors and itself);
 every node also sees the whole cached prefix. A plain window is a chain (lower triangular); a draft
 tree of proactive drafting is a real tree. The adapter inserts structural tokens (row ends, ...)
