@@ -249,8 +249,9 @@ class SJDSampler:
         comfy_bridge.send(DONE_EVENT, {"node": unique_id, "summary": summary,
                                        "accepted": watcher.accepted, "text": line})
         return {
+            # The whole trace goes into ComfyUI's history too, for scripts that read /history.
             "ui": {"sjd_summary": [summary], "sjd_accepted": watcher.accepted,
-                   "sjd_text": [line]},
+                   "sjd_text": [line], "sjd_trace": [result.trace.to_json()]},
             "result": (SamplerCodes(result.codes, model, run), SamplerTrace(result.trace, run),
                        line),
         }

@@ -18,6 +18,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
+from test_nodes import pack  # noqa: E402  (the pack imported as a package, as ComfyUI does)
+from sjd_pack.sjd_core.trace import Trace  # noqa: E402
 
 WORKFLOWS = REPO / "workflows"
 OUR_NODES = {"SJDModelLoader", "SJDSampler", "SJDDecode", "SJDDiagnostics"}
@@ -58,8 +60,6 @@ def fetch_image(server: ComfyServer, entry: dict) -> np.ndarray:
 
 
 def test_object_info_lists_every_node_with_its_inputs(object_info):
-    from test_nodes import pack  # the pack imported as a package, as ComfyUI does
-
     for name, cls in pack.NODE_CLASS_MAPPINGS.items():
         assert name in object_info, f"{name} missing from /object_info"
         info = object_info[name]
@@ -88,6 +88,10 @@ def test_text_to_image_workflow_runs(server, object_info):
         entry = run(server, prompt)
     sampler = nodes_of(prompt, "SJDSampler")[0]
     summary = entry["outputs"][sampler]["sjd_summary"][0]
+    trace = Trace.from_json(entry["outputs"][sampler]["sjd_trace"][0])
+    assert trace.summary() == summary
+    assert trace.slot_maps()["commit_iteration"].shape == (1, 16, 16)
+    assert int(trace.committed_per_iteration.sum()) == REFERENCE_CODES
     assert summary["mode"] == "SJD+AC+PD+VP" and summary["lossless"]
     assert summary["slots_per_image"] == REFERENCE_CODES
     assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
