@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import MIN_MASS, race, race_top, residual
+from .sampling import MIN_MASS, flush_negligible, race, race_top, residual
 from .settings import AccelerationSettings
 
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
@@ -200,7 +200,7 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     top = min(settings.vp_top_k, targets.shape[-1])
     kth = torch.topk(targets, top, dim=-1).values[..., -1:]
     boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
-    fused = torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1)
+    fused = flush_negligible(torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1))
     decay = settings.vp_decay
     history = WindowState(state.tokens, state.q, decay * mean + (1 - decay) * targets,
                           targets, rises, torch.ones_like(known))

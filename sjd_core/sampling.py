@@ -15,6 +15,7 @@ import torch
 from .settings import SamplingSettings
 
 MIN_MASS = 1e-12  # below this a distribution's mass counts as empty (see ``normalise``)
+NEGLIGIBLE = 1e-30  # probabilities below this are set to 0 (see ``flush_negligible``)
 
 
 def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
@@ -22,7 +23,8 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     """Target probabilities (float32, same shape as the logits) from raw codebook logits.
 
     Order: ``l = l_u + s * (l_c - l_u)`` (only when unconditional logits are given), divide by the
-    temperature, keep the ``top_k`` largest, keep the smallest set whose mass reaches ``top_p``.
+    temperature, keep the ``top_k`` largest, keep the smallest set whose mass reaches ``top_p``,
+    softmax, and probabilities below ``NEGLIGIBLE`` set to 0.
     """
     logits = cond_logits.float()
     if uncond_logits is not None:
@@ -40,7 +42,16 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
         drop_sorted = mass_before >= settings.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return flush_negligible(torch.softmax(logits, dim=-1))
+
+
+def flush_negligible(probabilities: torch.Tensor) -> torch.Tensor:
+    """Set probabilities below ``NEGLIGIBLE`` to 0.
+
+    They carry no measurable mass, and float32 values that small are subnormal, which makes
+    every later CPU operation on them many times slower.
+    """
+    return probabilities.masked_fill(probabilities < NEGLIGIBLE, 0.0)
 
 
 def normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
