@@ -166,3 +166,41 @@ def test_family_workflow_says_where_to_put_the_checkpoint(server, object_info, n
     message = json.dumps(answer["node_errors"][loader])
     assert "was not found in the SJD models folders" in message
     assert prompt[loader]["inputs"]["model"] in message
+
+
+MEMORY_CHECK = r"""
+import sys
+sys.argv = ["main.py", "--cpu"]
+sys.path.insert(0, {comfyui!r})
+sys.path.insert(0, {tests!r})
+import comfy.options
+comfy.options.enable_args_parsing()  # as main.py does, so that --cpu is read
+import comfy.model_management as mm
+import comfy.model_patcher
+from test_nodes import Loader, REFERENCE, sample
+
+loaded, _ = Loader().load(REFERENCE, "auto")
+assert isinstance(loaded.patcher, comfy.model_patcher.ModelPatcher), type(loaded.patcher)
+assert loaded.patcher.model_size() > 1_000_000  # ComfyUI measures the network's weights
+codes, _, _ = sample(loaded, prompt="bag", seed=2)
+managed = [m.model for m in mm.current_loaded_models]
+assert any(m is loaded.patcher for m in managed), managed
+mm.unload_all_models()  # what ComfyUI's "unload models" does
+assert not mm.current_loaded_models
+again, _, _ = sample(loaded, prompt="bag", seed=2)
+assert (again.codes == codes.codes).all()
+assert any(m.model is loaded.patcher for m in mm.current_loaded_models)
+print("managed by ComfyUI")
+"""
+
+
+def test_loaded_model_is_managed_by_comfyui_memory_manager():
+    import subprocess
+
+    from comfyui_harness import comfyui_source
+
+    code = MEMORY_CHECK.format(comfyui=str(comfyui_source()), tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(REPO), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "managed by ComfyUI" in out.stdout
