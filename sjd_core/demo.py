@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     for request in requests:
         result, seconds = timed(model, request, sampling, fast, args.seed)
         totals["fast"][0] += seconds
-        totals["fast"][1] += result.trace.summary()["nfe"]
+        totals["fast"][1] += result.trace.summary()["iterations"]
         decoded = model.decode(result.codes).float().cpu().numpy()
         images.append(decoded)
         if first is None:
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
         if not args.no_baseline:
             reference, seconds = timed(model, request, sampling, baseline, args.seed)
             totals["ar"][0] += seconds
-            totals["ar"][1] += reference.trace.summary()["nfe"]
+            totals["ar"][1] += reference.trace.summary()["iterations"]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> dict:
     report = {"image": str(image_path), "heatmap": str(heatmap_path), "mode": fast.mode_name,
               "seconds": totals["fast"][0], "nfe": totals["fast"][1],
               "step_compression": summary["step_compression"]}
+    batches = f"{len(requests)} batch(es) of {args.batch}"
     print(f"{fast.mode_name}: {totals['fast'][1]:.0f} forward passes, {totals['fast'][0]:.2f} s "
-          f"for {len(requests) * args.batch} image(s) of {summary['slots_per_image']} codes "
+          f"for {batches} image(s) of {summary['slots_per_image']} codes "
           f"(window {fast.window}, {sampling})")
     if not args.no_baseline:
         report.update(ar_seconds=totals["ar"][0], ar_nfe=totals["ar"][1],

@@ -3,9 +3,9 @@
 Input is :meth:`sjd_core.trace.Trace.slot_maps`: numpy arrays (B, H, W) per quantity. A map
 becomes an RGB array by a perceptual colour ramp (dark blue = low, yellow = high), each slot drawn
 as a ``cell`` x ``cell`` square. :func:`acceptance_figure` puts the image and two maps side by
-side with titles and value ranges: *commit iteration* (slots of one colour were committed by the
-same forward pass, so long runs of one colour are long accepted drafts) and *acceptance
-probability* (the verifier's probability of keeping the committed draft).
+side with titles and value ranges: *commit iteration* (the forward pass that committed each slot),
+*committed together* (how many slots that forward pass committed: bright bands are long accepted
+drafts) and *acceptance probability* (the verifier's probability of keeping the committed draft).
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [25
 
 PANELS: tuple[tuple[str, str], ...] = (
     ("commit_iteration", "commit iteration"),
+    ("committed_together", "committed together"),
     ("acceptance_probability", "acceptance probability"),
 )
+
+
+def committed_together(commit_iteration: np.ndarray) -> np.ndarray:
+    """(B, H, W): for each slot, how many slots of its image the same iteration committed."""
+    flat = np.asarray(commit_iteration, dtype=np.int64).reshape(len(commit_iteration), -1)
+    counts = np.stack([np.bincount(row - row.min(), minlength=1)[row - row.min()] for row in flat])
+    return counts.reshape(np.shape(commit_iteration))
 
 
 def colourise(values: np.ndarray, vmin: float | None = None, vmax: float | None = None) -> np.ndarray:
@@ -62,7 +70,7 @@ def acceptance_figure(slot_maps: dict[str, np.ndarray], image: np.ndarray | None
     ``image`` is (height, width, 3) floats in [0, 1] (one row of the decoded batch); it is scaled
     with nearest-neighbour to the heatmaps' size.
     """
-    missing = [key for key, _ in PANELS if key not in slot_maps]
+    missing = [key for key, _ in PANELS if key not in slot_maps and key != "committed_together"]
     if missing:
         raise ValueError(f"slot_maps lacks {missing}; it must come from Trace.slot_maps().")
     first = np.asarray(slot_maps[PANELS[0][0]])
@@ -72,8 +80,9 @@ def acceptance_figure(slot_maps: dict[str, np.ndarray], image: np.ndarray | None
     tiles: list[tuple[str, Image.Image]] = []
     if image is not None:
         tiles.append(("image\n", _to_pil(np.asarray(image)).resize(size, Image.NEAREST)))
+    maps = dict(slot_maps, committed_together=committed_together(slot_maps["commit_iteration"]))
     for key, title in PANELS:
-        values = np.asarray(slot_maps[key], dtype=np.float64)[row:row + 1]
+        values = np.asarray(maps[key], dtype=np.float64)[row:row + 1]
         finite = values[np.isfinite(values)]
         span = f"{finite.min():.3g} .. {finite.max():.3g}" if finite.size else "no values"
         tiles.append((f"{title}\n{span}", _to_pil(heatmap(values, cell)[0])))
