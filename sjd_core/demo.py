@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", default="pac+vp", choices=PRESETS,
                         help="accelerated mode to run (default: %(default)s)")
     parser.add_argument("--window", type=int, default=AccelerationSettings.window,
-                        help="slots drafted per forward pass (default: %(default)s)")
+                        help="slots drafted per forward pass (default: %(default)s; "
+                             "ignored by --mode ar)")
     parser.add_argument("--batch", type=int, default=1, help="images per prompt (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; image b uses seed + b")
     parser.add_argument("--guidance", type=float, default=None,
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device)
     sampling = sampling_settings(model, args)
-    fast = AccelerationSettings.preset(args.mode, window=args.window)
+    fast = AccelerationSettings.preset(args.mode, **({} if args.mode == "ar" else
+                                                     {"window": args.window}))
     baseline = AccelerationSettings.preset("ar")
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
