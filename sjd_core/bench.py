@@ -110,7 +110,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=2000, help="top-k (default 2000)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch (default: torch's choice); 1 keeps timings "
+                             "steady on a machine that is busy with other work")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = SyntheticModel(codebook_size=args.codebook, grid=(args.grid, args.grid),
                            width=args.width, layers=args.layers, heads=4, sharpness=3.0,
                            max_fed=256, seed=0, device=args.device)

@@ -82,20 +82,23 @@ class GsdAcceptance:
         self.embedding_tolerance = embedding_tolerance
 
     def masses(self, p, q, x, p_x, q_x):
-        vocab = p.shape[-1]
-        order = torch.argsort(p, dim=-1, descending=True)
-        rank = torch.argsort(order, dim=-1).gather(-1, x[..., None])
-        spread = torch.arange(-self.radius, self.radius + 1, device=p.device)
-        ranks = (rank + spread).clamp(0, vocab - 1)
-        group = order.gather(-1, ranks)  # (B, T, 2r+1), may repeat at the edges
-        unique = torch.cat([torch.ones_like(group[..., :1], dtype=torch.bool),
-                            group[..., 1:] != group[..., :-1]], dim=-1)
-        close_p = (p.gather(-1, group) - p_x[..., None]).abs() < self.prob_tolerance
+        codes = torch.arange(p.shape[-1], device=p.device)
+        level, code = p_x[..., None], x[..., None]
+        before = (p > level) | ((p == level) & (codes < code))  # ranked ahead of x
+        after = ~before & (codes != code)
+        radius = min(self.radius, p.shape[-1] - 1)
+        above = torch.topk(torch.where(before, -p, float("-inf")), radius, dim=-1)
+        below = torch.topk(torch.where(after, p, float("-inf")), radius, dim=-1)
+        group = torch.cat([above.indices, below.indices], dim=-1)  # (B, T, 2r)
+        exists = torch.cat([above.values, below.values], dim=-1) > float("-inf")
+        p_group = p.gather(-1, group)
+        close_p = (p_group - level).abs() < self.prob_tolerance
         distance = (self.unit[group] - self.unit[x][..., None, :]).pow(2).sum(-1)
-        member = unique & close_p & (distance < self.embedding_tolerance) & (group != x[..., None])
-        p_group = p_x + torch.where(member, p.gather(-1, group), torch.zeros_like(distance)).sum(-1)
-        q_group = q_x + torch.where(member, q.gather(-1, group), torch.zeros_like(distance)).sum(-1)
-        return p_group, q_group
+        member = exists & close_p & (distance < self.embedding_tolerance)
+        zero = torch.zeros_like(p_group)
+        p_mass = p_x + torch.where(member, p_group, zero).sum(-1)
+        q_mass = q_x + torch.where(member, q.gather(-1, group), zero).sum(-1)
+        return p_mass, q_mass
 
 
 def nearest_codes(embeddings: torch.Tensor, count: int, chunk: int = 1024) -> torch.Tensor:
