@@ -66,6 +66,14 @@ def test_disk_offloaded_model_runs_every_mode(spread, ar_codes, preset):
     assert torch.equal(first_codes(spread, preset), ar_codes)
 
 
+def test_nested_device_map_keys_are_flattened_for_accelerate(folder, ar_codes):
+    model = load_model(folder, device_map={"": "cpu", "model.layers.1": "disk"})
+    placement = model.model.hf_device_map
+    assert placement["model.layers.1"] == "disk" and "" not in placement
+    assert set(placement.values()) == {"cpu", "disk"}
+    assert torch.equal(first_codes(model, "sjd"), ar_codes)
+
+
 def test_auto_device_map(folder):
     model = load_model(folder, device_map="auto")
     assert set(model.model.hf_device_map.values()) <= {"cpu", 0, "cuda:0"}

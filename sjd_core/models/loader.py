@@ -171,11 +171,37 @@ def _owner(name: str, device_map: dict) -> str | int | torch.device:
                      "(a dict key '' places the whole model).")
 
 
+def _without_nesting(model: nn.Module, device_map: dict) -> dict:
+    """The same placement with no key inside another (accelerate cannot dispatch nested keys).
+
+    A key that has more specific keys below it (``{"": "cpu", "model.layers.1": "disk"}``) is
+    replaced by its sub-modules and own tensors, each placed by the most specific key above it.
+    """
+    flat: dict = {}
+
+    def place(prefix: str, module: nn.Module) -> None:
+        inner = [k for k in device_map if k != prefix and (not prefix or k.startswith(prefix + "."))]
+        if not inner:
+            flat[prefix] = _owner(prefix, device_map) if prefix else device_map[""]
+            return
+        for name, child in module.named_children():
+            place(f"{prefix}.{name}" if prefix else name, child)
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        own += [name for name, _ in module.named_buffers(recurse=False)]
+        for name in own:
+            flat[f"{prefix}.{name}" if prefix else name] = _owner(f"{prefix}.{name}", device_map)
+
+    if "" in device_map or any("." in k for k in device_map):
+        place("", model)
+        return flat
+    return dict(device_map)
+
+
 def _resolve_device_map(model: nn.Module, device_map: DeviceMap, dtype: torch.dtype) -> dict:
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     if isinstance(device_map, dict):
-        return dict(device_map)
+        return _without_nesting(model, device_map)
     allowed = ("auto", "balanced", "balanced_low_0", "sequential")
     if device_map not in allowed:
         raise ValueError(f"device_map={device_map!r} is not allowed: use one of {allowed} or a dict "
