@@ -38,7 +38,7 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 PARTS = ("codebook", "model", "classifier")
 NULL_CLASS = len(CLASS_NAMES)  # class index of "no prompt", used for classifier-free guidance
 # Sampling recipe stored with the weights (reference.json) and used by default.
-DEFAULT_SAMPLING = {"guidance": 2.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+DEFAULT_SAMPLING = {"guidance": 2.0, "temperature": 1.0, "top_k": 0, "top_p": 0.9}
 
 
 def llama_config(codebook_size: int, tiny: bool) -> LlamaConfig:
