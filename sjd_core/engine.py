@@ -49,13 +49,14 @@ class GenerationResult:
     trace: Trace
 
 
+@torch.no_grad()
 def generate(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
              acceleration: AccelerationSettings, seed: int,
              on_iteration: Callable[[IterationReport], None] | None = None) -> GenerationResult:
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
-    propagates; the model itself is left usable).
+    propagates; the model itself is left usable). Runs without autograd.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
         raise ValueError(f"seed={seed!r} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
