@@ -91,8 +91,10 @@ def test_lumina_prompt_and_structural_tokens(lumina):
 def test_anole_prompt_and_layout(anole):
     ids = anole.prompt_ids("a red fox", (512, 512))
     assert ids[0] == 0 and ids[-1] == 8197
-    assert anole.tokenizer.decode(ids[1:-1]) == "a red fox"
+    assert anole.tokenizer.decode(ids[1:-2]) == "a red fox"
     assert anole.image_prefix((512, 512)) == [8197]
+    assert ids[-2:] == [8710, 8197]  # end of turn, image start (Anole's inference code)
+    assert anole.unconditional_ids((512, 512)) == [0, 8197]
     assert anole.row_end_id is None
     assert anole.supported_resolutions() == [(512, 512)]
     assert anole.grid_for(None) == (32, 32)
@@ -155,7 +157,7 @@ def test_anole_window_tree_and_keep(anole, anole_dir):
     session = anole.start(GenerationRequest(prompt="a fox", guidance=3.0))
     cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), torch.arange(-1, 40)[None], chain(41))
     torch.testing.assert_close(cond[0], reference_logits(ref, context, CODES[:40], None), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(uncond[0], reference_logits(ref, [8197], CODES[:40], None), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(uncond[0], reference_logits(ref, [0, 8197], CODES[:40], None), atol=1e-4, rtol=1e-4)
     session.keep(torch.arange(41)[None] < 31)  # slots -1..29 kept
     anc = torch.eye(4, dtype=torch.bool)
     anc[2, 0] = anc[3, 1] = True  # two branches of two codes from slot 30

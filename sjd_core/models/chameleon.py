@@ -8,9 +8,9 @@ Layout of a generated image (token names from the checkpoint's ``vocabulary_map`
   The prompt is BOS + ``"Generate an image of {W}x{H} according to the following prompt:\\n{p}"``
   + ``<reserved08706>`` (end of turn, 8710). Guidance runs a separate unconditional context that
   starts at the image-start token (no text). Defaults: guidance 3.0, top-k 2000, temperature 1.0.
-* Anole: BOS + prompt + image start, then 32 x 32 codes with no size or row-end tokens;
-  unconditional context: the image-start token alone. Defaults (Chameleon's image options):
-  guidance 3.0, temperature 0.7, top-p 0.9.
+* Anole: BOS + prompt + end of turn + image start, then 32 x 32 codes with no size or row-end
+  tokens; unconditional context: BOS + image start. Defaults (Chameleon's image options, as in
+  Anole's own inference code): guidance 3.0, temperature 0.7, top-p 0.9.
 
 A code ``k`` is the token whose ``IMGIMG...`` name spells ``k`` (id ``k + 4`` in the released
 vocabulary). The stock ``forward`` masks every image-token logit, so the session calls the
@@ -123,7 +123,7 @@ class TokenLayout:
     code_ids: torch.Tensor  # (codebook,) token id of each code
     image_start: int
     image_end: int
-    end_of_turn: int | None
+    end_of_turn: int
     row_end: int | None
     size_ids: dict[int, int]  # 32-pixel units -> size token id
 
@@ -145,7 +145,7 @@ class TokenLayout:
 
         lumina = family == LUMINA
         return cls(code_ids=ids, image_start=token("<racm3:break>"), image_end=token("<eoss>"),
-                   end_of_turn=token("<reserved08706>") if lumina else None,
+                   end_of_turn=token("<reserved08706>"),
                    row_end=token("<reserved08799>") if lumina else None,
                    size_ids={n: token(f"<reserved{8800 + n:05d}>") for n in {s // SIZE_UNIT for s in sizes}}
                    if lumina else {})
@@ -199,7 +199,12 @@ class ChameleonImageModel:
         if self.family == LUMINA:
             text = PROMPT_TEMPLATE.format(w=width, h=height, prompt=prompt)
             return [self.bos_id] + encode(self.tokenizer, text) + [self.end_of_turn_id] + self.image_prefix(resolution)
-        return [self.bos_id] + encode(self.tokenizer, prompt) + self.image_prefix(resolution)
+        return [self.bos_id] + encode(self.tokenizer, prompt) + [self.end_of_turn_id] + self.image_prefix(resolution)
+
+    def unconditional_ids(self, resolution: tuple[int, int]) -> list[int]:
+        """The unconditional context: the image prefix alone (Lumina-mGPT), after BOS (Anole)."""
+        prefix = self.image_prefix(resolution)
+        return prefix if self.family == LUMINA else [self.bos_id] + prefix
 
     def image_prefix(self, resolution: tuple[int, int]) -> list[int]:
         """Image start, then (Lumina) the height and width tokens; also the unconditional context."""
@@ -244,7 +249,7 @@ class ChameleonImageModel:
         uncond = None
         if request.guidance != 1.0:
             negative = request.negative_prompt.strip()
-            ids = self.prompt_ids(negative, resolution) if negative else self.image_prefix(resolution)
+            ids = self.prompt_ids(negative, resolution) if negative else self.unconditional_ids(resolution)
             uncond = [Context(ids=torch.tensor(ids))] * request.batch_size
         return HFSession(self.parts(), cond, uncond, grid)
 
