@@ -114,3 +114,13 @@ def test_exact_verification_on_a_chain_is_the_leading_run_of_passed_tests():
     assert torch.equal(verdict.accepted, leading)
     assert torch.equal(verdict.tokens[:, :5][passed.cumprod(1).bool()],
                        tokens[:, 1:][passed.cumprod(1).bool()])
+
+
+def test_relaxed_acceptance_without_codebook_embeddings_is_refused():
+    import pytest
+
+    from sjd_core.verify import acceptance_rule
+
+    with pytest.raises(ValueError, match="relaxed='gsd' needs the model's codebook embeddings"):
+        acceptance_rule(AccelerationSettings(window=4, relaxed="gsd"), None)
+    assert isinstance(acceptance_rule(AccelerationSettings(window=4), None), ExactAcceptance)
