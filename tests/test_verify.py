@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sjd_core.drafting import DraftTree
 from sjd_core.settings import AccelerationSettings
-from sjd_core.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance, nearest_codes,
-                             verify_tree)
+from sjd_core.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance, acceptance_rule,
+                             nearest_codes, verify_tree)
 
 VOCAB = 12
 
@@ -117,10 +118,6 @@ def test_exact_verification_on_a_chain_is_the_leading_run_of_passed_tests():
 
 
 def test_relaxed_acceptance_without_codebook_embeddings_is_refused():
-    import pytest
-
-    from sjd_core.verify import acceptance_rule
-
     with pytest.raises(ValueError, match="relaxed='gsd' needs the model's codebook embeddings"):
         acceptance_rule(AccelerationSettings(window=4, relaxed="gsd"), None)
     assert isinstance(acceptance_rule(AccelerationSettings(window=4), None), ExactAcceptance)
