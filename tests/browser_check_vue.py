@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -127,26 +125,8 @@ class NewComfyServer(ComfyServer):
         self.home = home
         self.python = python
 
-    def start(self) -> None:
-        """Start ``main.py --cpu`` and wait until ``/object_info`` answers."""
-        self.root = prepare(self.home, self.workdir)
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [str(self.python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-             str(self.port), "--disable-auto-launch", "--preview-method", "auto"],
-            cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                self.get("/object_info")
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"ComfyUI did not answer within {self.startup_timeout}s:\n{self.log()}")
+    def prepare_root(self) -> Path:
+        return prepare(self.home, self.workdir)
 
     def set_setting(self, name: str, value: object) -> None:
         """Store a frontend setting for the default user, as the settings dialog does."""

@@ -129,14 +129,20 @@ class ComfyServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    python = Path(sys.executable)  # the interpreter that runs ComfyUI
+
+    def prepare_root(self) -> Path:
+        """The ComfyUI folder to run, with the pack under ``custom_nodes``."""
+        return prepare(self.workdir)
+
     def start(self) -> None:
         """Start ``main.py --cpu`` and wait until ``/object_info`` answers."""
-        self.root = prepare(self.workdir)
+        self.root = self.prepare_root()
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
+            [str(self.python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
              str(self.port), "--disable-auto-launch", "--preview-method", "auto"],
             cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
