@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from ..sjd_core.heatmap import heatmap
+from ..sjd_core.decoding.trace import summary_text
+from ..sjd_core.tools.figures import heatmap
 from . import comfy_bridge
 from .handles import TRACE_TYPE, SamplerTrace
-from .sampler import summary_line
 
 NODE = "SJD Diagnostics"
 MAPS = (("commit_iteration", "commit iteration"),
@@ -135,7 +135,7 @@ def _histogram(counts: list[int], mode: str, size: tuple[int, int] = (384, 256))
 
 def describe(summary: dict, trace: SamplerTrace, baseline: SamplerTrace | None) -> str:
     """The summary text; with a baseline from the same request, the measured speed-up too."""
-    lines = [summary_line(summary),
+    lines = [summary_text(summary),
              f"NFE {summary['nfe']:.1f} for {summary['slots_per_image']} codes per image, "
              f"step compression {summary['step_compression']:.2f}x",
              f"forward {summary['forward_seconds']:.2f} s, drafting/verifying "

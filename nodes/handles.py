@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..sjd_core.models.protocol import ImageTokenModel
-from ..sjd_core.trace import Trace
+from ..sjd_core.decoding.trace import Trace
 
 MODEL_TYPE = "SJD_MODEL"
 CODES_TYPE = "SJD_CODES"

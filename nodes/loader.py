@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..sjd_core.models.loader import load_model
+from ..sjd_core.models.registry import load_model
 from ..sjd_core.models.reference.adapter import WEIGHTS_DIR
 from . import comfy_bridge
 from .handles import MODEL_TYPE, LoadedModel

@@ -7,9 +7,10 @@ import time
 import torch
 from PIL import Image
 
-from ..sjd_core.engine import IterationReport, generate
+from ..sjd_core.decoding.engine import IterationReport, generate
+from ..sjd_core.decoding.settings import INIT_RULES, RELAXED_RULES, AccelerationSettings, SamplingSettings
+from ..sjd_core.decoding.trace import summary_text
 from ..sjd_core.models.protocol import GenerationRequest
-from ..sjd_core.settings import INIT_RULES, RELAXED_RULES, AccelerationSettings, SamplingSettings
 from . import comfy_bridge
 from .handles import CODES_TYPE, MODEL_TYPE, TRACE_TYPE, LoadedModel, RunInfo, SamplerCodes, \
     SamplerTrace
@@ -245,7 +246,7 @@ class SJDSampler:
                       family=adapter.family, prompt=prompt, negative_prompt=negative_prompt,
                       resolution=size, batch_size=batch_size, seed=seed,
                       mode=acceleration.mode_name)
-        line = summary_line(summary)
+        line = summary_text(summary)
         comfy_bridge.send(DONE_EVENT, {"node": unique_id, "summary": summary,
                                        "accepted": watcher.accepted, "text": line})
         return {
@@ -270,14 +271,6 @@ def _sampling_settings(adapter: object, sampling: str, guidance: float, temperat
                                 top_p=top_p)
     except ValueError as error:
         raise ValueError(f"{NODE}: {error}") from error
-
-
-def summary_line(summary: dict) -> str:
-    """One human line from a trace summary."""
-    return (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
-            f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
-            f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
-            f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
 
 
 class _LiveProgress:

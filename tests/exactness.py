@@ -11,11 +11,11 @@ import itertools
 
 import torch
 
-from sjd_core.engine import generate
+from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
-from sjd_core.sampling import process
-from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.sampling import process
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 PROMPT = "a red fox"
 NEGATIVE = "blur"

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from sjd_core.engine import generate
+from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
-from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 Reference = Callable[[list[int], str], torch.Tensor]
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from sjd_core.engine import generate
+from sjd_core.decoding.engine import generate
 from sjd_core.models.chameleon import VQGAN_PLACES
-from sjd_core.models.loader import load_model
+from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
-from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from tests.tiny_checkpoints import (CHAMELEON_CODES, cached_copy, chameleon_reference, write_anole,
                                     write_lumina, write_vqgan)
 

@@ -19,7 +19,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
 from test_nodes import pack  # noqa: E402  (the pack imported as a package, as ComfyUI does)
-from sjd_pack.sjd_core.trace import Trace  # noqa: E402
+from sjd_pack.sjd_core.decoding.trace import Trace  # noqa: E402
 
 WORKFLOWS = REPO / "workflows"
 OUR_NODES = {"SJDModelLoader", "SJDSampler", "SJDDecode", "SJDDiagnostics"}

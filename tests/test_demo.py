@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sjd_core import demo
-from sjd_core.heatmap import acceptance_figure, colourise, committed_together, heatmap, image_grid
+from sjd_core.tools import demo
+from sjd_core.tools.figures import acceptance_figure, colourise, committed_together, heatmap, image_grid
 
 
 def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tests import family_checks as fc
 from sjd_core.models import emu3
-from sjd_core.models.loader import load_model
+from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import GenerationRequest
 from tests.tiny_checkpoints import write_emu3
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sjd_core.engine import generate
+from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
-from sjd_core.settings import AccelerationSettings, SamplingSettings
-from sjd_core.trace import Trace
-from sjd_core.verify import ACCEPTED, BONUS, COMMIT_KINDS, RELAXED, RESIDUAL
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.trace import Trace
+from sjd_core.decoding.verify import ACCEPTED, BONUS, COMMIT_KINDS, RELAXED, RESIDUAL
 
 LOSSLESS = {
     "sjd": dict(),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from exactness import enumerate_joint, goodness_of_fit, sample_images, tiny_model, tiny_sampling
-from sjd_core import drafting, engine, verify
-from sjd_core.sampling import race, residual
-from sjd_core.settings import AccelerationSettings
+from sjd_core.decoding import drafting, engine, verify
+from sjd_core.decoding.sampling import race, residual
+from sjd_core.decoding.settings import AccelerationSettings
 
 SAMPLES = 6000
 POWER_SAMPLES = 16000

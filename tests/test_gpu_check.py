@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from sjd_core import gpu_check
+from sjd_core.tools import gpu_check
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from tests import family_checks as fc
 from sjd_core.models import llamagen, llamagen_modules
 from sjd_core.models.llamagen_checkpoint import (build_gpt, infer_spec,
                                                  read_state_dict, shapes_of, _main)
-from sjd_core.models.loader import load_model
+from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import GenerationRequest
 from tests.tiny_checkpoints import llamagen_gpt_state, write_llamagen
 

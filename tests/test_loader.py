@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import sjd_core.models.chameleon as chameleon
-from sjd_core.models.loader import families, load_model, resolve_device_dtype
+from sjd_core.models.registry import FAMILIES, load_model
+from sjd_core.models.weights import resolve_device_dtype
 from tests.tiny_checkpoints import cached_copy, write_lumina
 
 torch.set_num_threads(1)
@@ -37,7 +38,7 @@ def test_unknown_folder_lists_families(tmp_path):
     with pytest.raises(ValueError) as err:
         load_model(tmp_path)
     message = str(err.value)
-    for family in families():
+    for family in FAMILIES:
         assert f"{family.name}: {family.expects}" in message
     assert "lumina-mgpt" in message and "vqgan.ckpt" in message
 

@@ -8,10 +8,10 @@ loaded whole.
 import pytest
 import torch
 
-from sjd_core.engine import generate
-from sjd_core.models.loader import load_model
+from sjd_core.decoding.engine import generate
+from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import GenerationRequest
-from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from tests.tiny_checkpoints import cached_copy, write_lumina
 
 torch.set_num_threads(1)

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from sjd_core.engine import generate
-from sjd_core.models.loader import load_model
+from sjd_core.decoding.engine import generate
+from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 from sjd_core.models.reference import codebook as cb
-from sjd_core.models.reference import train
-from sjd_core.models.reference.data import INSTALL_HINT, load_split
-from sjd_core.models.reference.probe import QualityProbe, energy_test, frechet_distance, real_floor
+from sjd_core.tools.reference import train
+from sjd_core.tools.reference.data import INSTALL_HINT, load_split
+from sjd_core.tools.reference.probe import QualityProbe, energy_test, frechet_distance, real_floor
 from sjd_core.models.reference.prompts import CLASS_NAMES, SYNONYMS, ClassVocabulary
-from sjd_core.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 TINY = ["--tiny", "--steps", "4", "--batch", "4"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sjd_core.drafting import DraftTree
-from sjd_core.settings import AccelerationSettings
-from sjd_core.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance, acceptance_rule,
+from sjd_core.decoding.drafting import DraftTree
+from sjd_core.decoding.settings import AccelerationSettings
+from sjd_core.decoding.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance, acceptance_rule,
                              nearest_codes, verify_tree)
 
 VOCAB = 12

@@ -33,7 +33,7 @@ import torch
 
 from .family_common import check_codes, encode, load_tokenizer, to_images
 from .hf_session import Context, DecoderParts, HFSession
-from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
+from .weights import (input_device, load_transformers_model, resolve_device_dtype,
                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
@@ -290,7 +290,25 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
 
 _EXPECTS = ("config.json (model_type 'chameleon'{}), model.safetensors or shards + "
             "model.safetensors.index.json, tokenizer.json, and vqgan.yaml + vqgan.ckpt")
-register_family(LUMINA, _is_lumina, lambda p, **kw: build(p, family=LUMINA, **kw),
-                _EXPECTS.format(" with Lumina-mGPT's z_loss_weight"))
-register_family(ANOLE, lambda p: _is_chameleon(p) and not _is_lumina(p),
-                lambda p, **kw: build(p, family=ANOLE, **kw), _EXPECTS.format(""))
+EXPECTS_LUMINA = _EXPECTS.format(" with Lumina-mGPT's z_loss_weight")
+EXPECTS_ANOLE = _EXPECTS.format("")
+
+
+def detect_lumina(folder: Path) -> bool:
+    """True for a Lumina-mGPT checkpoint folder."""
+    return _is_lumina(folder)
+
+
+def detect_anole(folder: Path) -> bool:
+    """True for a Chameleon checkpoint that is not Lumina-mGPT (Anole)."""
+    return _is_chameleon(folder) and not _is_lumina(folder)
+
+
+def build_lumina(folder: Path, **options) -> ChameleonImageModel:
+    """The loader's entry point for Lumina-mGPT."""
+    return build(folder, family=LUMINA, **options)
+
+
+def build_anole(folder: Path, **options) -> ChameleonImageModel:
+    """The loader's entry point for Anole."""
+    return build(folder, family=ANOLE, **options)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
                             pick_grid, read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
-from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
+from .weights import (input_device, load_transformers_model, resolve_device_dtype,
                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 
@@ -174,6 +174,5 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> Emu3Model:
     return Emu3Model(model, tokenizer, area, mean, std)
 
 
-register_family("emu3", detect, build,
-                "a folder like BAAI/Emu3-Gen-hf: config.json (model_type emu3), model-*.safetensors "
-                "+ model.safetensors.index.json, tokenizer.json, tokenizer_config.json")
+EXPECTS = ("a folder like BAAI/Emu3-Gen-hf: config.json (model_type emu3), model-*.safetensors "
+           "+ model.safetensors.index.json, tokenizer.json, tokenizer_config.json")

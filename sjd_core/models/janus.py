@@ -22,7 +22,7 @@ import torch
 from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
                             pick_grid, read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
-from .loader import (input_device, load_transformers_model, register_family, resolve_device_dtype,
+from .weights import (input_device, load_transformers_model, resolve_device_dtype,
                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 
@@ -132,6 +132,5 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> JanusModel:
     return JanusModel(model, tokenizer, int(bos_id), int(image_start_id), int(pad_id), mean, std)
 
 
-register_family("janus", detect, build,
-                "a folder like deepseek-community/Janus-Pro-1B: config.json (model_type janus), "
-                "model*.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json")
+EXPECTS = ("a folder like deepseek-community/Janus-Pro-1B: config.json (model_type janus), "
+           "model*.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json")

@@ -47,7 +47,7 @@ from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ
                                   read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
                                   vq_to_janus)
 from .llamagen_modules import LlamaGenTransformer
-from .loader import input_device, register_family, resolve_device_dtype, safetensors_files
+from .weights import input_device, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
@@ -292,6 +292,5 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel
     return LlamaGenModel(model, vq, spec, folder)
 
 
-register_family("llamagen", detect, build,
-                "LlamaGen's c2i_*.pt or t2i_*.pt GPT with its vq_ds16_*.pt beside it (a folder or the "
-                ".pt file), or their conversion: model.safetensors + vq.safetensors + llamagen.json")
+EXPECTS = ("LlamaGen's c2i_*.pt or t2i_*.pt GPT with its vq_ds16_*.pt beside it (a folder or the "
+           ".pt file), or their conversion: model.safetensors + vq.safetensors + llamagen.json")

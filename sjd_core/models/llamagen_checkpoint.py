@@ -36,7 +36,7 @@ from transformers import JanusVQVAE, JanusVQVAEConfig, LlamaConfig
 
 from .family_common import read_json
 from .llamagen_modules import LlamaGenTransformer
-from .loader import DeviceMap, load_transformers_model
+from .weights import DeviceMap, load_transformers_model
 
 SIDECAR = "llamagen.json"
 GPT_SAFETENSORS = "model.safetensors"

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..hf_session import Context, DecoderParts, HFSession
-from ..loader import input_device, load_transformers_model, resolve_device_dtype, safetensors_files
+from ..weights import input_device, load_transformers_model, resolve_device_dtype, safetensors_files
 from ..protocol import GenerationRequest, SamplingDefaults
 from . import codebook as cb
 from .prompts import ClassVocabulary
@@ -29,6 +29,8 @@ from .prompts import ClassVocabulary
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DESCRIPTION = "reference.json"
 FAMILY = "reference"
+EXPECTS = ("a folder like sjd_core/models/reference/weights: reference.json (family "
+           "'reference'), config.json, model.safetensors, codebook.safetensors")
 
 
 def is_reference_folder(path: Path | str) -> bool:
@@ -56,7 +58,7 @@ class ReferenceModel:
         if missing:
             raise FileNotFoundError(
                 f"{folder} is not a complete reference model folder: missing {', '.join(missing)}. "
-                "Retrain it with `python -m sjd_core.models.reference.train --out FOLDER`.")
+                "Retrain it with `python -m sjd_core.tools.reference.train --out FOLDER`.")
         meta = json.loads((folder / DESCRIPTION).read_text())
         device, dtype = resolve_device_dtype(device, dtype)
         self.folder = folder

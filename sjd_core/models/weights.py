@@ -1,10 +1,4 @@
-"""Find a checkpoint's family on disk, and load transformers weights the way users expect.
-
-``load_model(path)`` asks every registered family whether it recognises ``path`` and builds the
-first that does. Families register themselves with :func:`register_family` when their module is
-imported; the built-in adapter modules listed in ``_ADAPTER_MODULES`` are imported on first use.
-
-Loading rules shared by every transformers family (:func:`load_transformers_model`):
+"""Load transformers weights the way users expect; every transformers family uses these rules.
 
 * dtype: bfloat16 on CUDA, float32 on the CPU, unless the caller names one;
 * no second copy in memory: the model is built with empty (meta) parameters and each checkpoint
@@ -13,98 +7,25 @@ Loading rules shared by every transformers family (:func:`load_transformers_mode
   checkpoint fails without leaving a half-loaded model behind;
 * ``device_map`` (``"auto"``, ``"balanced"``, or a dict of module name -> device, ``"cpu"`` or
   ``"disk"``) hands placement and offloading to accelerate.
+
+Which family a folder holds is decided by :mod:`.registry`.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import os
 import tempfile
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .protocol import ImageTokenModel
-
-__all__ = [
-    "Family", "register_family", "families", "load_model", "resolve_device_dtype",
-    "safetensors_files", "load_transformers_model", "input_device",
-]
-
-# Adapter modules that register a family when imported (absent ones are simply not offered).
-# Relative to this package: inside ComfyUI the pack is imported under its folder's name, so
-# ``sjd_core`` is not a top-level package there.
-_ADAPTER_MODULES = (".chameleon", ".emu3", ".janus", ".llamagen", ".reference")
+__all__ = ["DeviceMap", "resolve_device_dtype", "safetensors_files", "load_transformers_model",
+           "input_device"]
 
 DeviceMap = str | dict[str, str | int | torch.device] | None
-
-
-@dataclass(frozen=True)
-class Family:
-    """A model family the loader can build.
-
-    detect: path -> True when the folder (or file) holds this family's checkpoint.
-    build: (path, device=, dtype=, device_map=) -> the loaded model.
-    expects: what must be on disk, shown to users when no family matches.
-    """
-
-    name: str
-    detect: Callable[[Path], bool]
-    build: Callable[..., ImageTokenModel]
-    expects: str
-
-
-_FAMILIES: dict[str, Family] = {}
-_imported = False
-
-
-def register_family(name: str, detect: Callable[[Path], bool], build: Callable[..., ImageTokenModel],
-                    expects: str) -> None:
-    """Make a family loadable; registering the same name again replaces it."""
-    _FAMILIES[name] = Family(name, detect, build, expects)
-
-
-def _import_adapters() -> None:
-    global _imported
-    if _imported:
-        return
-    for module in _ADAPTER_MODULES:
-        if importlib.util.find_spec(module, __package__) is not None:
-            importlib.import_module(module, __package__)
-    _imported = True
-
-
-def families() -> list[Family]:
-    """Every registered family, in registration order."""
-    _import_adapters()
-    return list(_FAMILIES.values())
-
-
-def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, device_map: DeviceMap = None) -> ImageTokenModel:
-    """Detect the family of the checkpoint at ``path`` and load it.
-
-    device: where the whole model goes (default: CUDA when available, else the CPU); ignored when
-        ``device_map`` places the modules.
-    dtype: compute dtype (default bfloat16 on CUDA, float32 on the CPU).
-    device_map: accelerate placement for models larger than one device (see the module docstring).
-    """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
-    found = families()
-    for family in found:
-        if family.detect(p):
-            return family.build(p, device=device, dtype=dtype, device_map=device_map)
-    listing = "\n".join(f"  - {f.name}: {f.expects}" for f in found) or "  (no families registered)"
-    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
-                     f"what each expects on disk:\n{listing}")
 
 
 def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | None

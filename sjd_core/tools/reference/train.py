@@ -1,4 +1,4 @@
-"""Train the embedded reference model from scratch: ``python -m sjd_core.models.reference.train``.
+"""Train the embedded reference model from scratch: ``python -m sjd_core.tools.reference.train``.
 
 Three parts, each seeded, run in order and written to ``--out`` (the shipped ``weights/`` folder by
 default):
@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from . import codebook as cb
+from ...models.reference import codebook as cb
 from .data import DEFAULT_DATA_DIR, load_split, synthetic_split
-from .prompts import CLASS_NAMES, SYNONYMS
+from ...models.reference.prompts import CLASS_NAMES, SYNONYMS
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 PARTS = ("codebook", "model", "classifier")
@@ -153,7 +153,7 @@ def describe(codebook_size: int, args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.models.reference.train",
+        prog="python -m sjd_core.tools.reference.train",
         description="Retrain the embedded reference model (codebook, Llama, probe classifier) "
                     "from Fashion-MNIST. Install the data with: sudo apt-get install "
                     "dataset-fashion-mnist")

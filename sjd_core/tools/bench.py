@@ -1,6 +1,6 @@
 """Every decoding mode side by side on the synthetic model, measured in one run.
 
-    python -m sjd_core.bench [--grid 48] [--codebook 8192] [--images 1]
+    python -m sjd_core.tools.bench [--grid 48] [--codebook 8192] [--images 1]
 
 Prints one table: per mode, forward passes (NFE), step compression, mean accepted length,
 wall-clock time relative to AR measured in the same run, and the share of the wall-clock time
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .engine import generate
-from .models.protocol import GenerationRequest, ImageTokenModel
-from .models.synthetic import SyntheticModel
-from .settings import AccelerationSettings, SamplingSettings
+from ..decoding.engine import generate
+from ..models.protocol import GenerationRequest, ImageTokenModel
+from ..models.synthetic import SyntheticModel
+from ..decoding.settings import AccelerationSettings, SamplingSettings
 
 MODES: list[tuple[str, dict]] = [
     ("AR", dict(window=1)),
@@ -99,7 +99,7 @@ def run(model: ImageTokenModel, sampling: SamplingSettings, window: int, seeds: 
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m sjd_core.bench", description=__doc__.split(
+    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.bench", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--grid", type=int, default=48, help="grid side in codes (default 48)")
     parser.add_argument("--codebook", type=int, default=8192, help="codebook size (default 8192)")

@@ -1,6 +1,6 @@
 """Per-slot acceptance heatmaps as pictures (numpy + pillow), for the demo and the diagnostics node.
 
-Input is :meth:`sjd_core.trace.Trace.slot_maps`: numpy arrays (B, H, W) per quantity. A map
+Input is :meth:`sjd_core.decoding.trace.Trace.slot_maps`: numpy arrays (B, H, W) per quantity. A map
 becomes an RGB array by a perceptual colour ramp (dark blue = low, yellow = high), each slot drawn
 as a ``cell`` x ``cell`` square. :func:`acceptance_figure` puts the image and two maps side by
 side with titles and value ranges: *commit iteration* (the forward pass that committed each slot),

@@ -1,6 +1,6 @@
 """Generate images from a prompt with an accelerated mode and show how much faster it was.
 
-    python -m sjd_core.demo --prompt "ankle boot"
+    python -m sjd_core.tools.demo --prompt "ankle boot"
 
 Uses the embedded reference model unless ``--model`` names another checkpoint folder. For every
 prompt it generates the images with the chosen mode (PAC+VP by default) and, in the same run,
@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .engine import GenerationResult, generate
-from .heatmap import acceptance_figure, image_grid
-from .models.loader import load_model
-from .models.protocol import GenerationRequest, ImageTokenModel
-from .models.reference import WEIGHTS_DIR
-from .settings import PRESETS, AccelerationSettings, SamplingSettings
+from ..decoding.engine import GenerationResult, generate
+from .figures import acceptance_figure, image_grid
+from ..models.registry import load_model
+from ..models.protocol import GenerationRequest, ImageTokenModel
+from ..models.reference import WEIGHTS_DIR
+from ..decoding.settings import PRESETS, AccelerationSettings, SamplingSettings
 
 DEFAULT_PROMPT = "ankle boot"
 DEFAULT_OUT = "output"
@@ -37,7 +37,7 @@ PREVIEW_PIXELS = 256  # small images are scaled up (nearest neighbour) to about 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.demo",
+        prog="python -m sjd_core.tools.demo",
         description="Generate images with speculative Jacobi decoding and compare with plain "
                     "autoregression in the same run. Writes the images and an acceptance heatmap.")
     parser.add_argument("--prompt", nargs="+", default=[DEFAULT_PROMPT],

@@ -21,7 +21,7 @@ import torch
 
 from .drafting import (DraftTree, WindowState, add_candidates, empty_history, initial_drafts,
                        redraft, shift_window)
-from .models.protocol import GenerationRequest, ImageTokenModel
+from ..models.protocol import GenerationRequest, ImageTokenModel
 from .sampling import RowRandom, process
 from .settings import AccelerationSettings, SamplingSettings
 from .trace import Trace, TraceRecorder

@@ -198,3 +198,11 @@ class Trace:
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
             raise ValueError(f"trace: the text is not a trace written by Trace.to_json ({error})") \
                 from error
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """One human line from :meth:`Trace.summary`."""
+    return (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
+            f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
+            f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
+            f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")

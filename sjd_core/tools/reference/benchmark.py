@@ -1,6 +1,6 @@
 """Every decoding mode side by side on the embedded reference model, measured in one run.
 
-    python -m sjd_core.models.reference.benchmark
+    python -m sjd_core.tools.reference.benchmark
 
 For each setting (``default``: the model's own sampling recipe; ``high-entropy``: the same at a
 higher temperature and without top-p, closer to the flat distributions of real text-to-image
@@ -11,7 +11,7 @@ with every mode and prints one table:
 
 * NFE (forward passes per image), step compression (codes per forward pass), mean accepted
   length, wall-clock speed-up versus AR and the share of time spent outside the forward pass,
-  from :func:`sjd_core.bench.measure`;
+  from :func:`sjd_core.tools.bench.measure`;
 * the mean entropy and mean top-1 probability of the target distribution along the generated
   images (recomputed by one teacher-forced pass through the same session API);
 * the quality probe: classifier accuracy against the requested class and the FID-like feature
@@ -33,12 +33,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ...bench import MODES, format_table, measure
-from ...sampling import entropy, process
-from ...settings import AccelerationSettings, SamplingSettings
-from ..loader import load_model
-from ..protocol import GenerationRequest, ImageTokenModel
-from .adapter import WEIGHTS_DIR
+from ..bench import MODES, format_table, measure
+from ...decoding.sampling import entropy, process
+from ...decoding.settings import AccelerationSettings, SamplingSettings
+from ...models.registry import load_model
+from ...models.protocol import GenerationRequest, ImageTokenModel
+from ...models.reference.adapter import WEIGHTS_DIR
 from .probe import QualityProbe, energy_test, real_floor
 
 COLUMNS = ("mode", "NFE", "step compr.", "mean acc. len", "speed-up", "outside fwd",
@@ -111,7 +111,7 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
 
 
 def table(rows: list[dict]) -> str:
-    """The printed table (via :func:`sjd_core.bench.format_table`)."""
+    """The printed table (via :func:`sjd_core.tools.bench.format_table`)."""
     cells = [{
         "mode": row["mode"] + ("" if row["lossless"] else " (lossy)"),
         "NFE": f"{row['nfe']:.1f}",
@@ -152,7 +152,7 @@ def targets(rows: list[dict]) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.models.reference.benchmark",
+        prog="python -m sjd_core.tools.reference.benchmark",
         description="Benchmark every decoding mode on the embedded reference model (one table per "
                     "setting, all rows measured in one run with the same prompts and seeds).")
     parser.add_argument("--model", default=str(WEIGHTS_DIR), help="reference model folder")

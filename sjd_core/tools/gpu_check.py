@@ -1,7 +1,7 @@
 """Time the decoding core on a randomly initialised model of real size (one command, one GPU).
 
-    python -m sjd_core.gpu_check            # Lumina-mGPT 7B layout, 768 px, bf16, CUDA
-    python -m sjd_core.gpu_check --tiny     # the same layout at toy width, on the CPU
+    python -m sjd_core.tools.gpu_check            # Lumina-mGPT 7B layout, 768 px, bf16, CUDA
+    python -m sjd_core.tools.gpu_check --tiny     # the same layout at toy width, on the CPU
 
 Prints the time of a 1-token forward, a 64-slot window forward (crossing row ends), a proactive
 drafting tree forward (K=4 candidates, depth 3, plus the chain to the window), then runs AR and
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import generate
-from .drafting import DraftTree
-from .models.chameleon import LUMINA, ChameleonImageModel, TokenLayout, synthetic_vocabulary
-from .models.protocol import GenerationRequest
-from .models.vqgan import VQGANConfig, VQGANDecoder
-from .settings import AccelerationSettings, SamplingSettings
+from ..decoding.engine import generate
+from ..decoding.drafting import DraftTree
+from ..models.chameleon import LUMINA, ChameleonImageModel, TokenLayout, synthetic_vocabulary
+from ..models.protocol import GenerationRequest
+from ..models.vqgan import VQGANConfig, VQGANDecoder
+from ..decoding.settings import AccelerationSettings, SamplingSettings
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import codebook as cb
+from ...models.reference import codebook as cb
 
 FEATURES = 64
 FILE_NAME = "classifier.safetensors"
@@ -106,7 +106,7 @@ class QualityProbe:
         path = Path(folder) / FILE_NAME
         if not path.is_file():
             raise FileNotFoundError(f"quality probe weights not found at {path}; train them with "
-                                    "`python -m sjd_core.models.reference.train --parts classifier`.")
+                                    "`python -m sjd_core.tools.reference.train --parts classifier`.")
         state = load_file(str(path))
         self.real_mean = state.pop("real_feature_mean").double().numpy()
         self.real_cov = state.pop("real_feature_cov").double().numpy()

@@ -1,0 +1,66 @@
+"""Which model family a checkpoint on disk belongs to, and loading it.
+
+:data:`FAMILIES` is the explicit table of every family the pack can load, in the order they are
+asked: ``load_model(path)`` builds the first family whose ``detect`` recognises ``path``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import chameleon, emu3, janus, llamagen, reference
+from .protocol import ImageTokenModel
+from .weights import DeviceMap
+
+__all__ = ["Family", "FAMILIES", "load_model"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family the loader can build.
+
+    detect: path -> True when the folder (or file) holds this family's checkpoint.
+    build: (path, device=, dtype=, device_map=) -> the loaded model.
+    expects: what must be on disk, shown to users when no family matches.
+    """
+
+    name: str
+    detect: Callable[[Path], bool]
+    build: Callable[..., ImageTokenModel]
+    expects: str
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(chameleon.LUMINA, chameleon.detect_lumina, chameleon.build_lumina,
+           chameleon.EXPECTS_LUMINA),
+    Family(chameleon.ANOLE, chameleon.detect_anole, chameleon.build_anole, chameleon.EXPECTS_ANOLE),
+    Family("emu3", emu3.detect, emu3.build, emu3.EXPECTS),
+    Family("janus", janus.detect, janus.build, janus.EXPECTS),
+    Family("llamagen", llamagen.detect, llamagen.build, llamagen.EXPECTS),
+    Family(reference.FAMILY, reference.is_reference_folder, reference.build, reference.EXPECTS),
+)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, device_map: DeviceMap = None) -> ImageTokenModel:
+    """Detect the family of the checkpoint at ``path`` and load it.
+
+    device: where the whole model goes (default: CUDA when available, else the CPU); ignored when
+        ``device_map`` places the modules.
+    dtype: compute dtype (default bfloat16 on CUDA, float32 on the CPU).
+    device_map: accelerate placement for models larger than one device (see :mod:`.weights`).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
+    for family in FAMILIES:
+        if family.detect(p):
+            return family.build(p, device=device, dtype=dtype, device_map=device_map)
+    listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
+    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
+                     f"what each expects on disk:\n{listing}")
