@@ -17,6 +17,7 @@ RelaxedRule = Literal["none", "lantern", "gsd"]
 INIT_RULES: tuple[str, ...] = ("uniform", "left")
 RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
 PRESETS: tuple[str, ...] = ("ar", "sjd", "pac", "pac+vp")
+DEFAULT_PRESET = "pac+vp"  # what the nodes, the demo and the benchmarks run unless told otherwise
 
 
 def _require(condition: bool, setting: str, value: object, allowed: str) -> None:

@@ -25,11 +25,20 @@ each node, so the engine never sees them.
 
 After verification the engine calls ``keep(mask)``: the cache keeps the entries of the fed nodes
 where ``mask`` is True (per row; rows may keep different counts) and drops the rest of that
-forward, so the next forward continues from the committed prefix.
+forward, so the next forward continues from the committed prefix. A forward may also be probed
+and thrown away: ``keep`` with an all-False mask leaves the cache as it was before that forward.
+
+Capacity: ``GenerationRequest.max_nodes`` is the most nodes the engine will feed in one forward;
+a session may size its caches once, for the prompt, the whole image and that many nodes.
+
+Batches shrink: when some images are finished the engine calls ``retain(rows)`` with the batch
+rows that are still decoding; from then on ``batch_size`` is ``len(rows)`` and row ``i`` of every
+tensor means old row ``rows[i]``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -56,6 +65,7 @@ class GenerationRequest:
     batch_size: int = 1
     guidance: float = 1.0  # 1.0 means no unconditional context is needed
     extra: dict = field(default_factory=dict)  # family-specific options (documented per adapter)
+    max_nodes: int = 64  # the most nodes one forward will feed (set by the engine)
 
 
 @runtime_checkable
@@ -68,17 +78,24 @@ class DecodingSession(Protocol):
     guided: bool  # True when forward returns unconditional logits too
 
     def forward(
-        self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor
+        self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+        mark: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` (B, T) at ``slots`` (B, T) with the (T, T) ``ancestors`` mask.
 
         Returns conditional and unconditional (or None) logits, each (B, T, codebook_size),
-        in float32.
+        in float32. ``mark``, when given, is called right before the network runs and right
+        after its logits are computed (without synchronising the device), so that the caller can
+        time the network apart from the session's own input building.
         """
         ...
 
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the cache entries of the fed nodes where ``mask`` (B, T) is True; drop the rest."""
+        ...
+
+    def retain(self, rows: Sequence[int]) -> None:
+        """Go on with only these batch rows (increasing indices into the current rows)."""
         ...
 
 
