@@ -79,10 +79,13 @@ class DecodingSession(Protocol):
 
     def forward(
         self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
-        mark: Callable[[], None] | None = None,
+        committed: Sequence[int], mark: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` (B, T) at ``slots`` (B, T) with the (T, T) ``ancestors`` mask.
 
+        ``committed`` (host integers, one per row) is how many slots each row has committed
+        before this forward, so node 0 sits at slot ``committed[b] - 1``; it lets the session
+        size its inputs without reading anything back from the device.
         Returns conditional and unconditional (or None) logits, each (B, T, codebook_size),
         in float32. ``mark``, when given, is called right before the network runs and right
         after its logits are computed (without synchronising the device), so that the caller can
