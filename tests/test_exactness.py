@@ -12,7 +12,7 @@ import torch
 
 from exactness import enumerate_joint, goodness_of_fit, sample_images, tiny_model, tiny_sampling
 from sjd_core.decoding import drafting, engine, verify
-from sjd_core.decoding.sampling import race, residual
+from sjd_core.decoding.sampling import residual, sample
 from sjd_core.decoding.settings import AccelerationSettings
 
 SAMPLES = 6000
@@ -68,7 +68,14 @@ def _p_value(model, joint, settings: AccelerationSettings, samples: int = SAMPLE
 
 def test_power_verifying_vp_drafts_against_p_instead_of_q_prime_is_rejected(model, joint,
                                                                              monkeypatch):
-    monkeypatch.setattr(drafting, "tested_distribution", lambda drawn_from, target: target)
+    exact_redraft = engine.redraft
+
+    def verified_against_target(state, targets, has_target, *args):
+        state = exact_redraft(state, targets, has_target, *args)
+        state.q = torch.where(has_target[..., None], targets, state.q)
+        return state
+
+    monkeypatch.setattr(engine, "redraft", verified_against_target)
     assert _p_value(model, joint, AccelerationSettings(**MODES["sjd+vp"])) < REJECT_P
 
 
@@ -87,13 +94,22 @@ def test_power_drawing_siblings_from_a_residual_is_rejected(model, joint, monkey
             return exact_top(rest, noise, count)
         return exact_top(residual(rest, previous_q["q"][:, : rest.shape[1]]), noise, count)
 
+    exact_drop = engine._Decoder.drop_finished
+
+    def drop_finished(decoder):  # finished images leave the batch: their old q goes too
+        going_on = [i for i, done in enumerate(decoder.done) if done < decoder.slots]
+        if "q" in previous_q and going_on:
+            previous_q["q"] = previous_q["q"][going_on]
+        exact_drop(decoder)
+
     monkeypatch.setattr(engine, "redraft", remember_previous_q)
     monkeypatch.setattr(drafting, "race_top", siblings_from_residual)
+    monkeypatch.setattr(engine._Decoder, "drop_finished", drop_finished)
     settings = AccelerationSettings(**MODES["sjd+ac+pd"])
     assert _p_value(model, joint, settings, POWER_SAMPLES) < REJECT_P
 
 
-def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_noise, rule):
+def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_uniform, rule):
     """The published tree rule: test every node on its own against (p, q) and take the longest
     accepted root-to-leaf row, with no residual between siblings."""
     batch, size, vocab = p.shape
@@ -116,7 +132,7 @@ def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, fina
     has_child = first_child >= 0
     final_q = q.gather(1, first_child.clamp_min(0)[:, None, None].expand(-1, 1, vocab)).squeeze(1)
     final_p = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    final = race(torch.where(has_child[:, None], residual(final_p, final_q), final_p), final_noise)
+    final = sample(torch.where(has_child[:, None], residual(final_p, final_q), final_p), final_uniform)
     offsets = torch.arange(window)
     next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
     tokens = torch.where(offsets == accepted[:, None], final[:, None],

@@ -14,8 +14,7 @@ VOCAB = 12
 
 
 def test_pd_tree_shape_matches_the_published_count():
-    tree = DraftTree.build(AccelerationSettings(window=16, proactive_drafting=True,
-                                                pd_candidates=4, pd_depth=3), torch.device("cpu"))
+    tree = DraftTree.build(16, 4, 3, torch.device("cpu"))
     assert tree.size == 1 + 4 + 16 + 13  # root, two levels of 4 candidates, chain to depth 15
     assert int(tree.depth.max()) == 15
     assert tree.inner_nodes.tolist() == [0, 1, 2, 3, 4]
@@ -25,21 +24,21 @@ def test_pd_tree_shape_matches_the_published_count():
             seen.add(walk)
             walk = int(tree.parent[walk])
         assert set(torch.nonzero(tree.ancestors[node]).flatten().tolist()) == seen
-    chain = DraftTree.build(AccelerationSettings(window=5), torch.device("cpu"))
+    chain = DraftTree.for_settings(AccelerationSettings(window=5), torch.device("cpu"))
     assert chain.size == 5 and torch.equal(chain.ancestors, torch.ones(5, 5).tril().bool())
 
 
 def _case(seed: int, settings: AccelerationSettings, batch: int = 64):
     """Random targets, draft distributions, drafts and uniforms for one verification."""
     g = torch.Generator().manual_seed(seed)
-    tree = DraftTree.build(settings, torch.device("cpu"))
+    tree = DraftTree.for_settings(settings, torch.device("cpu"))
     p = torch.softmax(torch.randn(batch, tree.size, VOCAB, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(batch, settings.window, VOCAB, generator=g) * 2, -1)
     tokens = torch.randint(0, VOCAB, (batch, tree.size), generator=g)
     valid = torch.ones(batch, tree.size, dtype=torch.bool)
     uniforms = 1 - torch.rand(batch, tree.size, tree.branching, generator=g)
-    noise = torch.empty(batch, VOCAB).exponential_(generator=g)
-    return tree, p, tokens, valid, q, uniforms, noise
+    final = 1 - torch.rand(batch, generator=g)
+    return tree, p, tokens, valid, q, uniforms, final
 
 
 EMBEDDINGS = torch.randn(VOCAB, 4, generator=torch.Generator().manual_seed(1))

@@ -1,9 +1,10 @@
 """How drafts are made: init rules, SJD re-draws, AC coupling, PD trees and VP fusion.
 
-The window holds, for offsets ``j = 0 .. L-1`` after the committed prefix, a draft token and the
+The window holds, for offsets ``j = 0 .. W-1`` after the committed prefix, a draft token and the
 distribution ``q_j`` it was really drawn from. The verifier tests drafts against ``q_j``; keeping
-that pairing honest is what makes every mode here exact (ALGORITHMS.md, exactness lemma).
-All functions work on whole (B, L, V) tensors: no loop over slots, no device reads.
+that pairing honest is what makes every mode here exact (``ALGORITHMS.md`` beside this file, the
+exactness lemma). An iteration may feed only the first ``L <= W`` offsets; the others keep their
+drafts. All functions work on whole (B, W, V) tensors: no loop over slots, no device reads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import MIN_MASS, flush_negligible, race, race_top, residual
+from .sampling import MIN_MASS, flush_negligible, race_top, residual, sample
 from .settings import AccelerationSettings
 
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
@@ -45,16 +46,24 @@ class DraftTree:
         return int(self.parent.numel())
 
     @staticmethod
-    def build(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
-        """Shape for ``settings``: a chain of ``window`` nodes, or the PD tree plus a chain.
+    def for_settings(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
+        """The fixed shape of ``settings``: its window, with the PD tree when PD is on."""
+        if settings.proactive_drafting:
+            return DraftTree.build(settings.window, settings.pd_candidates, settings.pd_depth,
+                                   device)
+        return DraftTree.build(settings.window, 1, 1, device)
+
+    @staticmethod
+    def build(window: int, candidates: int, depth: int, device: torch.device) -> "DraftTree":
+        """A chain of ``window`` nodes, or with ``candidates`` > 1 the PD tree of ``depth``
+        levels (counting the root) plus the chain.
 
         ``route[v, t]`` is the ancestor of ``v`` at depth ``t`` for ``t <= depth(v)``, and below
         ``v`` the first-candidate descendant (then the chain): the nodes whose outputs give the
         stale distributions of the slots after a path that ends at ``v``.
         """
-        window = settings.window
-        levels = settings.pd_depth - 1 if settings.proactive_drafting else 0
-        branching = settings.pd_candidates if levels else 1
+        levels = depth - 1 if candidates > 1 else 0
+        branching = candidates if levels else 1
         parent, depth, source = [-1], [0], [-1]
         children: list[list[int]] = [[]]
         level_nodes = [0]
@@ -101,83 +110,107 @@ class DraftTree:
                          torch.tensor(inner, dtype=torch.long, **to), inner_index.to(device))
 
 
+# How the draft of a slot was made (recorded per committed slot in the trace).
+NO_DRAFT, UNIFORM_INIT, LEFT_INIT, TARGET_DRAW, AC_KEPT, AC_REPLACED, VP_DRAW, PD_SIBLING = range(8)
+DRAFT_SOURCES = {NO_DRAFT: "no draft", UNIFORM_INIT: "uniform init", LEFT_INIT: "copy of left",
+                 TARGET_DRAW: "drawn from target", AC_KEPT: "kept by AC",
+                 AC_REPLACED: "replaced by AC", VP_DRAW: "drawn by VP", PD_SIBLING: "PD sibling"}
+
+
 @dataclass
 class WindowState:
-    """Drafts for window offsets 0..L-1 and, for VP, each slot's probability history."""
+    """Drafts for window offsets 0..W-1 and, for VP, each slot's probability history."""
 
-    tokens: torch.Tensor  # (B, L) first-candidate draft per offset
-    q: torch.Tensor  # (B, L, V) what each draft was drawn from
-    vp_mean: torch.Tensor | None = None  # (B, L, V) exponentially weighted past distributions
-    vp_last: torch.Tensor | None = None  # (B, L, V) last iteration's distribution
-    vp_rises: torch.Tensor | None = None  # (B, L, V) consecutive rises per code
-    vp_known: torch.Tensor | None = None  # (B, L) whether the slot has a history yet
+    tokens: torch.Tensor  # (B, W) first-candidate draft per offset
+    q: torch.Tensor  # (B, W, V) what each draft was drawn from
+    source: torch.Tensor  # (B, W) int8, how each draft was made (DRAFT_SOURCES)
+    vp_mean: torch.Tensor | None = None  # (B, W, V) exponentially weighted past distributions
+    vp_last: torch.Tensor | None = None  # (B, W, V) last iteration's distribution
+    vp_rises: torch.Tensor | None = None  # (B, W, V) consecutive rises per code
+    vp_known: torch.Tensor | None = None  # (B, W) whether the slot has a history yet
+
+    @staticmethod
+    def empty(batch: int, window: int, vocab: int, device: torch.device,
+              verification_prediction: bool) -> "WindowState":
+        """A window with no drafts yet (every slot is filled by the init rule)."""
+        zeros = torch.zeros(batch, window, vocab, device=device)
+        history = ((zeros.clone(), zeros.clone(), torch.zeros_like(zeros, dtype=torch.int32),
+                    torch.zeros(batch, window, dtype=torch.bool, device=device))
+                   if verification_prediction else ())
+        return WindowState(torch.zeros(batch, window, dtype=torch.long, device=device), zeros,
+                           torch.zeros(batch, window, dtype=torch.int8, device=device), *history)
+
+    def rows(self, index: torch.Tensor) -> "WindowState":
+        """The state of the batch rows ``index`` only."""
+        return WindowState(*(None if x is None else x[index] for x in
+                             (self.tokens, self.q, self.source, self.vp_mean, self.vp_last,
+                              self.vp_rises, self.vp_known)))
 
 
-def tested_distribution(drawn_from: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The q a new draft will be verified against: the distribution it was drawn from.
-
-    ``target`` is the stale model distribution the draft was derived from. Verifying against it
-    instead of ``drawn_from`` (as the SJD-VP paper appears to do) is not exact; this is the one
-    place where that choice is made, and the exactness tests show what replacing it would break.
-    """
-    return drawn_from
-
-
-def initial_drafts(rule: str, anchor: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor,
-                   fill: torch.Tensor, first_slot: torch.Tensor, grid_width: int,
-                   noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts and q for slots entering the window (``fill`` True), by the init rule.
+def initial_drafts(rule: str, anchor: torch.Tensor, state: WindowState, fill: torch.Tensor,
+                   first_slot: torch.Tensor, grid_width: int, uniforms: torch.Tensor) -> None:
+    """Draft the slots entering the window (``fill`` (B, W) True) by the init rule, in place.
 
     ``uniform``: a uniform random code, q uniform. ``left``: the code to the left in the same
-    row (the last committed code, an earlier draft or a copy of one), q one-hot; slots in the
-    first column fall back to uniform. Other offsets keep their ``tokens`` and ``q``.
+    row (the last committed code, an earlier draft or a copy of one), q one-hot, so the draft
+    is accepted with probability ``p(code)``; slots in the first column fall back to uniform.
+    ``uniforms`` (B, W) in (0, 1] pick the random codes. Other offsets keep their drafts.
     """
-    batch, window, vocab = noise.shape
-    uniform_q = torch.full((batch, window, vocab), 1.0 / vocab, device=noise.device)
-    random_tokens = race(uniform_q, noise)
+    batch, window, vocab = state.q.shape
+    random_tokens = (uniforms * vocab).long().clamp_max(vocab - 1)
+    uniform_q = state.q.new_full((1, 1, vocab), 1.0 / vocab)
     if rule == "uniform":
-        return (torch.where(fill, random_tokens, tokens),
-                torch.where(fill[..., None], uniform_q, q))
-    offsets = torch.arange(window, device=noise.device)
+        state.tokens = torch.where(fill, random_tokens, state.tokens)
+        state.q = torch.where(fill[..., None], uniform_q, state.q)
+        state.source = torch.where(fill, UNIFORM_INIT, state.source).to(torch.int8)
+        return
+    offsets = torch.arange(window, device=anchor.device)
     first_column = (first_slot[:, None] + offsets) % grid_width == 0
-    own = torch.where(fill & first_column, random_tokens, tokens)
+    own = torch.where(fill & first_column, random_tokens, state.tokens)
     is_source = ~fill | first_column
     line = torch.cat([anchor[:, None], own], dim=1)
-    positions = torch.arange(window + 1, device=noise.device).expand(batch, -1)
+    positions = torch.arange(window + 1, device=anchor.device).expand(batch, -1)
     sources = torch.where(torch.cat([torch.ones_like(is_source[:, :1]), is_source], 1),
                           positions, torch.zeros_like(positions))
     copied = line.gather(1, sources.cummax(dim=1).values)[:, 1:]
     init_q = torch.where(first_column[..., None], uniform_q,
-                         torch.nn.functional.one_hot(copied, vocab).float())
-    return copied, torch.where(fill[..., None], init_q, q)
+                         torch.nn.functional.one_hot(copied, vocab).to(state.q.dtype))
+    state.tokens = torch.where(fill, copied, state.tokens)
+    state.q = torch.where(fill[..., None], init_q, state.q)
+    state.source = torch.where(fill, torch.where(first_column, UNIFORM_INIT, LEFT_INIT),
+                               state.source).to(torch.int8)
 
 
-def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and validity of every fed node except the root, from the window drafts.
+def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, validity and draft source of every fed node except the root.
 
     Tree offsets get ``K`` candidates without replacement from their q: the current draft first
     (drawn from q, or AC-coupled to it), the others by an exponential race over q with the draft
-    removed. A candidate is invalid when q has no mass left for it (e.g. a one-hot q).
-    Returns (B, T) node tokens (root position left 0) and (B, T) validity.
+    removed (``noise`` (B, levels, V) ~ Exp(1)). A candidate is invalid when q has no mass left
+    for it (e.g. a one-hot q). Returns (B, T) node tokens (root position left 0), validity and
+    source.
     """
-    batch, window = state.tokens.shape
+    batch = state.tokens.shape[0]
+    fed = state.tokens[:, : tree.window]
     if tree.tree_levels:
         levels = tree.tree_levels
-        first = state.tokens[:, :levels]
-        q_tree = state.q[:, :levels]
-        rest = q_tree.scatter(-1, first[..., None], 0.0)
+        first = fed[:, :levels]
+        rest = state.q[:, :levels].scatter(-1, first[..., None], 0.0)
         others = race_top(rest, noise, tree.branching - 1)
         candidates = torch.cat([first[..., None], others], dim=-1)
         usable = (rest.gather(-1, others) > MIN_MASS).to(torch.int8).cumprod(-1).bool()
         valid = torch.cat([torch.ones_like(first[..., None], dtype=torch.bool), usable], dim=-1)
-        flat_tokens = torch.cat([candidates.flatten(1), state.tokens], dim=1)
-        flat_valid = torch.cat([valid.flatten(1), torch.ones_like(state.tokens, dtype=torch.bool)], 1)
+        sibling = torch.full_like(others, PD_SIBLING, dtype=torch.int8)
+        kinds = torch.cat([state.source[:, :levels, None], sibling], dim=-1)
+        flat_tokens = torch.cat([candidates.flatten(1), fed], dim=1)
+        flat_valid = torch.cat([valid.flatten(1), torch.ones_like(fed, dtype=torch.bool)], 1)
+        flat_source = torch.cat([kinds.flatten(1), state.source[:, : tree.window]], dim=1)
     else:
-        flat_tokens = state.tokens
-        flat_valid = torch.ones_like(state.tokens, dtype=torch.bool)
+        flat_tokens, flat_source = fed, state.source[:, : tree.window]
+        flat_valid = torch.ones_like(fed, dtype=torch.bool)
     source = tree.flat_source.expand(batch, -1)
-    return flat_tokens.gather(1, source), flat_valid.gather(1, source)
+    return flat_tokens.gather(1, source), flat_valid.gather(1, source), flat_source.gather(1, source)
 
 
 def predict_verification(targets: torch.Tensor, state: WindowState, known: torch.Tensor,
@@ -188,7 +221,7 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
     ``q' = softmax``. ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
     history already shifted to the new window; ``known`` marks slots that have one.
-    Returns q' (B, L, V) and the updated history.
+    Returns q' (B, W, V) and the state with the updated history.
     """
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
@@ -202,13 +235,15 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
     fused = flush_negligible(torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1))
     decay = settings.vp_decay
-    history = WindowState(state.tokens, state.q, decay * mean + (1 - decay) * targets,
-                          targets, rises, torch.ones_like(known))
+    history = WindowState(state.tokens, state.q, state.source,
+                          decay * mean + (1 - decay) * targets, targets, rises,
+                          torch.ones_like(known))
     return fused, history
 
 
 def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, torch.Tensor]:
-    """Move every row's window forward by its commit count; returns the state and in-range mask."""
+    """Move every row's window forward by its commit count; returns the state and the mask of
+    offsets that came from inside the old window (the others are new: no draft yet)."""
     batch, window = state.tokens.shape
     offsets = torch.arange(window, device=shift.device) + shift[:, None]
     in_range = offsets < window
@@ -222,45 +257,40 @@ def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, 
         return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
 
     known = None if state.vp_known is None else take(state.vp_known) & in_range
-    return WindowState(take(state.tokens), take(state.q), take(state.vp_mean),
+    return WindowState(take(state.tokens), take(state.q), take(state.source), take(state.vp_mean),
                        take(state.vp_last), take(state.vp_rises), known), in_range
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
-            settings: AccelerationSettings, uniforms: torch.Tensor, noise: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, WindowState]:
+            settings: AccelerationSettings, uniforms: torch.Tensor) -> WindowState:
     """New drafts for the uncommitted slots that have a (stale) target distribution.
 
-    ``state`` is already shifted to the new window. Without AC each draft is drawn afresh from
-    the draw distribution (the target, or VP's q'); with AC the old draft is kept when
-    ``u * q_old(d) <= q'(d)`` and otherwise replaced by a draw from ``norm(max(0, q' - q_old))``,
-    the maximal coupling, so the new draft is distributed exactly as q'. Returns tokens, their q
-    and the VP history (unchanged without VP). Slots without a target are left for the init rule.
+    ``state`` is already shifted to the new window; ``targets`` (B, W, V) are the stale targets
+    where ``has_target``. Without AC each draft is drawn afresh from the draw distribution (the
+    target, or VP's q'); with AC the old draft is kept when ``u * q_old(d) <= q'(d)`` and
+    otherwise replaced by a draw from ``norm(max(0, q' - q_old))``, the maximal coupling, so the
+    new draft is distributed exactly as q'. Either way the slot's q becomes the distribution the
+    new draft follows (q' itself, never the unfused target: verifying VP drafts against the
+    target, as the SJD-VP paper appears to do, is not exact). ``uniforms`` (B, 2, W): the keep
+    tests and the draws. Slots without a target keep their drafts.
     """
     if settings.verification_prediction:
         draw_from, state = predict_verification(targets, state, state.vp_known & has_target,
                                                 settings)
+        fresh_source = VP_DRAW
     else:
-        draw_from = targets
+        draw_from, fresh_source = targets, TARGET_DRAW
+    keep_test, draw = uniforms[:, 0], uniforms[:, 1]
     if settings.adaptive_continuation:
         old = state.tokens[..., None]
-        keep = uniforms * state.q.gather(-1, old).squeeze(-1) <= draw_from.gather(-1, old).squeeze(-1)
-        replacement = race(residual(draw_from, state.q), noise)
-        tokens = torch.where(keep, state.tokens, replacement)
+        keep = keep_test * state.q.gather(-1, old).squeeze(-1) <= draw_from.gather(-1, old).squeeze(-1)
+        tokens = torch.where(keep, state.tokens, sample(residual(draw_from, state.q), draw))
+        source = torch.where(keep, AC_KEPT, AC_REPLACED)
     else:
-        tokens = race(draw_from, noise)
-    q = tested_distribution(draw_from, targets)
-    tokens = torch.where(has_target, tokens, state.tokens)
-    q = torch.where(has_target[..., None], q, state.q)
+        tokens, source = sample(draw_from, draw), torch.full_like(state.tokens, fresh_source)
+    state.tokens = torch.where(has_target, tokens, state.tokens)
+    state.q = torch.where(has_target[..., None], draw_from, state.q)
+    state.source = torch.where(has_target, source, state.source).to(torch.int8)
     if settings.verification_prediction:
         state.vp_known = state.vp_known & has_target
-    return tokens, q, state
-
-
-def empty_history(batch: int, window: int, vocab: int, device: torch.device
-                  ) -> tuple[torch.Tensor, ...]:
-    """Zeroed VP history (mean, last, rises, known) for a fresh window."""
-    zeros = torch.zeros(batch, window, vocab, device=device)
-    return (zeros, zeros.clone(), torch.zeros(batch, window, vocab, device=device, dtype=torch.int32),
-            torch.zeros(batch, window, dtype=torch.bool, device=device))
-
+    return state

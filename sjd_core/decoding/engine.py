@@ -1,31 +1,37 @@
 """The decoding loop: draft -> forward -> verify -> commit, one iteration at a time.
 
-One loop serves every mode: ``window=1`` is plain autoregression (the fed node is the last
-committed code and its output is sampled), larger windows are speculative Jacobi decoding, and AC,
-PD, VP and relaxed acceptance change only how drafts are made (``drafting``) and tested
-(``verify``). Per iteration the loop reads one small tensor back from the device: the number of
-slots each row has committed, which decides when to stop and feeds progress reports.
+One loop serves every mode. Each iteration a plan (:mod:`.planner`) picks the shape to feed:
+window 1 is plain autoregression, which takes a lean step (one node, the target sampled, nothing
+drafted or verified); a longer window, with or without a proactive-drafting tree, takes the
+speculative step, where AC, PD, VP and relaxed acceptance change only how drafts are made
+(:mod:`.drafting`) and tested (:mod:`.verify`). A fixed mode's plan always picks its own shape;
+``auto`` picks the shape that should commit the most codes per second, from what it measured in
+the iterations before (so the choice never depends on the iteration's own draws, and every
+lossless shape, chosen this way, stays exact).
 
-Batches: each row has its own random stream (seed + row) and commits its own number of slots per
-iteration. All rows feed the same node shape every iteration; a row that has finished keeps
-feeding padding until the slowest row is done. That is the cost of the simple scheme: a batch
-takes as many forward passes as its slowest image, and finished rows still occupy the batch.
+Per iteration the loop reads at most one small tensor back from the device: the number of slots
+each row has committed (plain autoregression needs none: it commits one slot per row). Rows have
+their own random streams (seed + row) and commit their own number of slots per iteration; all rows
+feed the same node shape. When an image is finished its row leaves the batch (``retain``), so the
+rows still decoding no longer pay for it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from .drafting import (DraftTree, WindowState, add_candidates, empty_history, initial_drafts,
-                       redraft, shift_window)
-from ..models.protocol import GenerationRequest, ImageTokenModel
-from .sampling import RowRandom, process
+from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
+from .drafting import NO_DRAFT, DraftTree, WindowState, add_candidates, initial_drafts, redraft, \
+    shift_window
+from .planner import Plan, make_plan
+from .sampling import RowRandom, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings
 from .trace import Trace, TraceRecorder
-from .verify import FORCED, RELAXED, acceptance_rule, verify_tree
+from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
 
 _FORCED_MASS = 1.0 - 1e-6
 
@@ -35,10 +41,11 @@ class IterationReport:
     """Progress after one iteration, for progress bars, previews and interruption."""
 
     iteration: int
-    committed: list[int]  # slots committed so far, per row
-    accepted: list[int]  # slots committed by this iteration, per row
+    committed: list[int]  # slots committed so far, per image of the batch
+    accepted: list[int]  # slots committed by this iteration, per image
     total: int  # slots per image
     codes: torch.Tensor  # (B, total) on the model's device; row b is valid up to committed[b]
+    shape: str  # what this iteration fed, e.g. "AR", "chain 8", "tree 4x3 + chain 16"
 
 
 @dataclass
@@ -47,6 +54,156 @@ class GenerationResult:
 
     codes: torch.Tensor
     trace: Trace
+
+
+def _check_arguments(request: GenerationRequest, seed: int) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
+        raise ValueError(f"seed={seed!r} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
+    if not isinstance(request.batch_size, int) or request.batch_size < 1:
+        raise ValueError(f"batch_size={request.batch_size!r} is not allowed: batch_size must be "
+                         "an integer >= 1.")
+
+
+class _Decoder:
+    """The state of one generation: committed codes, drafts, random streams, the session.
+
+    Tensors hold the rows still decoding; ``rows`` maps them to the images of the batch.
+    ``codes`` and the trace keep every image (row-major flat indices ``row * stride + slot``,
+    where column ``slots`` of each row absorbs writes past the grid).
+    """
+
+    def __init__(self, model: ImageTokenModel, session: DecodingSession, sampling: SamplingSettings,
+                 acceleration: AccelerationSettings, seed: int, device: torch.device) -> None:
+        batch = session.batch_size
+        self.session, self.sampling, self.acceleration = session, sampling, acceleration
+        self.height, self.width = session.grid_height, session.grid_width
+        self.slots, self.vocab = self.height * self.width, model.codebook_size
+        self.stride = self.slots + 1
+        self.device = device
+        self.rows = list(range(batch))
+        self.row_start = torch.arange(batch, device=device) * self.stride
+        self.random = RowRandom([seed + row for row in range(batch)], device)
+        self.recorder = TraceRecorder(batch, self.slots, device)
+        self.codes = torch.zeros(batch * self.stride, dtype=torch.long, device=device)
+        self.committed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.done = [0] * batch  # host copy of ``committed``
+        self.anchor = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rule = acceptance_rule(acceleration, None if acceleration.lossless
+                                    else model.codebook_embeddings().to(device))
+        self.state: WindowState | None = None  # drafts; None after plain autoregressive steps
+        self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ steps
+    def autoregressive_step(self) -> list[int]:
+        """One node per row, its target sampled: plain autoregression."""
+        uniforms = self.random.uniform(1)[:, 0]
+        cond, uncond = self.session.forward(self.anchor[:, None], (self.committed - 1)[:, None],
+                                            self.one_node, self.done, self.recorder.clock.mark)
+        target = process(cond[:, 0], None if uncond is None else uncond[:, 0], self.sampling)
+        token = sample(target, uniforms)
+        self.session.keep(self.one_node.expand(len(self.rows), 1))
+        kind = torch.where(target.amax(-1) >= _FORCED_MASS, FORCED, BONUS)
+        slot = self.committed[:, None]
+        self.codes.index_put_((self.row_start + self.committed,), token)
+        self.recorder.entered_window(self.iteration, self.row_start[:, None] + slot)
+        self.recorder.committed_slots(self.iteration, self.row_start[:, None] + slot,
+                                      kind[:, None], torch.full_like(slot, float("nan"),
+                                                                     dtype=torch.float32),
+                                      torch.full_like(slot, NO_DRAFT, dtype=torch.int8))
+        self.committed += 1
+        self.anchor = token
+        self.state = None
+        self.done = [d + 1 for d in self.done]
+        return [1] * len(self.rows)
+
+    def speculative_step(self, tree: DraftTree) -> list[int]:
+        """Feed the drafts as ``tree``, verify them, commit the accepted path, redraft."""
+        settings, batch = self.acceleration, len(self.rows)
+        window, vocab = settings.window, self.vocab
+        if self.state is None:
+            self.state = WindowState.empty(batch, window, vocab, self.device,
+                                           settings.verification_prediction)
+            self._initial_drafts(torch.ones(batch, window, dtype=torch.bool, device=self.device),
+                                 self.random.uniform(window))
+        tests, draws = tree.size * tree.branching, 1 + 3 * window
+        uniforms = self.random.uniform(tests + draws + tree.tree_levels * vocab)
+        node_tokens, node_valid, node_source = add_candidates(
+            self.state, tree, exponential(uniforms[:, tests + draws:]).view(batch, -1, vocab)
+            if tree.tree_levels else None)
+        node_tokens[:, 0] = self.anchor
+        node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
+        cond, uncond = self.session.forward(node_tokens, node_slots, tree.ancestors, self.done,
+                                            self.recorder.clock.mark)
+        target = process(cond, uncond, self.sampling)
+        verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q,
+                              uniforms[:, :tests].view(batch, tree.size, tree.branching),
+                              uniforms[:, tests], self.rule)
+
+        fed = tree.window
+        offsets = torch.arange(fed, device=self.device)
+        count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
+        along_path = target.gather(1, verdict.path[..., None].expand(-1, -1, vocab))
+        forced = (along_path.amax(-1) >= _FORCED_MASS) & (verdict.kinds != RELAXED)
+        kinds = torch.where(forced, FORCED, verdict.kinds)
+        tested = node_source.gather(1, torch.cat([verdict.path[:, 1:], verdict.path[:, -1:]], 1))
+        sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
+        window_slots = self.committed[:, None] + offsets
+        writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
+                                                       self.slots)
+        self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
+        self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
+                                     .clamp_max(self.slots))
+        self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
+
+        on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == torch.arange(
+            tree.size, device=self.device)
+        self.session.keep(on_path & (tree.depth < count[:, None]))
+
+        self.committed = self.committed + count
+        self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
+        shifted, kept = shift_window(self.state, count)
+        new_offsets = torch.arange(window, device=self.device) + count[:, None]
+        has_target = new_offsets < fed
+        stale = along_path.gather(1, new_offsets.clamp_max(fed - 1)[..., None]
+                                  .expand(-1, -1, vocab))
+        draws_at = tests + 1
+        self.state = redraft(shifted, stale, has_target, settings,
+                             uniforms[:, draws_at:draws_at + 2 * window].view(batch, 2, window))
+        self._initial_drafts(~kept, uniforms[:, draws_at + 2 * window:draws_at + 3 * window])
+        previous, self.done = self.done, self.committed.tolist()
+        return [now - before for before, now in zip(previous, self.done)]
+
+    def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
+        initial_drafts(self.acceleration.init, self.anchor, self.state, fill, self.committed,
+                       self.width, uniforms)
+
+    # ------------------------------------------------------------------ batch
+    def drop_finished(self) -> None:
+        """Let finished images leave the batch (the session, the streams, the state)."""
+        going_on = [i for i, done in enumerate(self.done) if done < self.slots]
+        if len(going_on) == len(self.rows):
+            return
+        if not going_on:
+            self.rows = []
+            return
+        index = torch.tensor(going_on, device=self.device)
+        self.session.retain(going_on)
+        self.random.retain(going_on)
+        self.rows = [self.rows[i] for i in going_on]
+        self.done = [self.done[i] for i in going_on]
+        self.row_start, self.committed, self.anchor = (
+            self.row_start[index], self.committed[index], self.anchor[index])
+        if self.state is not None:
+            self.state = self.state.rows(index)
+
+    def report(self, accepted: list[int], shape: str) -> IterationReport:
+        batch = self.recorder.batch
+        committed, gained = [self.slots] * batch, [0] * batch
+        for i, row in enumerate(self.rows):
+            committed[row], gained[row] = self.done[i], accepted[i]
+        return IterationReport(self.iteration, committed, gained, self.slots,
+                               self.codes.view(batch, self.stride)[:, :self.slots], shape)
 
 
 @torch.no_grad()
@@ -58,85 +215,31 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
     propagates; the model itself is left usable). Runs without autograd.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
-        raise ValueError(f"seed={seed!r} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
-    if not isinstance(request.batch_size, int) or request.batch_size < 1:
-        raise ValueError(f"batch_size={request.batch_size!r} is not allowed: batch_size must be "
-                         "an integer >= 1.")
+    _check_arguments(request, seed)
     device = torch.device(model.device)
-    session = model.start(replace(request, guidance=sampling.guidance))
-    batch, height, width = session.batch_size, session.grid_height, session.grid_width
-    slots, vocab, window = height * width, model.codebook_size, acceleration.window
-
-    tree = DraftTree.build(acceleration, device)
-    rule = acceptance_rule(acceleration,
-                           None if acceleration.lossless else model.codebook_embeddings().to(device))
-    random = RowRandom([seed + row for row in range(batch)], device)
-    recorder = TraceRecorder(batch, slots, device)
-
-    codes = torch.zeros(batch, slots + 1, dtype=torch.long, device=device)
-    committed = torch.zeros(batch, dtype=torch.long, device=device)
-    anchor = torch.zeros(batch, dtype=torch.long, device=device)
-    offsets = torch.arange(window, device=device)
-    node_ids = torch.arange(tree.size, device=device)
-    everything = torch.ones(batch, window, dtype=torch.bool, device=device)
-    tokens, q = initial_drafts(
-        acceleration.init, anchor, torch.zeros(batch, window, dtype=torch.long, device=device),
-        torch.zeros(batch, window, vocab, device=device), everything, committed, width,
-        random.exponential(window, vocab))
-    state = WindowState(tokens, q, *(empty_history(batch, window, vocab, device)
-                                     if acceleration.verification_prediction else ()))
-
-    done = [0] * batch
-    iteration = 0
-    while min(done) < slots:
-        recorder.clock.mark()
-        node_tokens, node_valid = add_candidates(
-            state, tree, random.exponential(tree.tree_levels, vocab) if tree.tree_levels else None)
-        node_tokens[:, 0] = anchor
-        node_slots = ((committed - 1)[:, None] + tree.depth).clamp_max(slots - 1)
-        cond, uncond = session.forward(node_tokens, node_slots, tree.ancestors)
-        recorder.clock.mark()
-
-        target = process(cond, uncond, sampling)
-        verdict = verify_tree(tree, target, node_tokens, node_valid, state.q,
-                              random.uniform(tree.size, tree.branching), random.exponential(vocab),
-                              rule)
-        count = torch.minimum(verdict.accepted + 1, slots - committed)
-        along_path = target.gather(1, verdict.path[..., None].expand(-1, -1, vocab))
-        forced = (along_path.amax(-1) >= _FORCED_MASS) & (verdict.kinds != RELAXED)
-        kinds = torch.where(forced, FORCED, verdict.kinds)
-
-        window_slots = committed[:, None] + offsets
-        writes = torch.where(offsets < count[:, None], window_slots, slots)
-        codes.scatter_(1, writes, verdict.tokens)
-        recorder.entered_window(iteration, torch.where(window_slots < slots, window_slots, slots))
-        recorder.committed_slots(iteration, writes, count, kinds, verdict.probability)
-
-        on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == node_ids
-        session.keep(on_path & (tree.depth < count[:, None]))
-
-        committed = committed + count
-        anchor = codes.gather(1, (committed - 1).clamp_min(0)[:, None]).squeeze(1)
-        shifted, has_target = shift_window(state, count)
-        stale = along_path.gather(1, (offsets + count[:, None]).clamp_max(window - 1)[..., None]
-                                  .expand(-1, -1, vocab))
-        noise = random.exponential(window, vocab)
-        tokens, q, state = redraft(shifted, stale, has_target, acceleration,
-                                   random.uniform(window), noise)
-        state.tokens, state.q = initial_drafts(acceleration.init, anchor, tokens, q, ~has_target,
-                                               committed, width, noise)
-        recorder.clock.mark()
-
-        previous, done = done, committed.tolist()
-        iteration += 1
+    plan: Plan = make_plan(acceleration, model, request, sampling, device)
+    session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
+    decoder = _Decoder(model, session, sampling, acceleration, seed, device)
+    while decoder.rows:
+        tree = plan.choose()
+        started = time.perf_counter()
+        decoder.recorder.clock.mark()
+        accepted = (decoder.autoregressive_step() if tree.window == 1
+                    else decoder.speculative_step(tree))
+        decoder.recorder.clock.mark()
+        plan.observe(tree, accepted, time.perf_counter() - started)
+        decoder.recorder.iteration_done(decoder.rows, accepted, plan.describe(tree))
+        decoder.iteration += 1
+        report = decoder.report(accepted, plan.describe(tree))
+        decoder.drop_finished()
         if on_iteration is not None:
-            on_iteration(IterationReport(iteration, done, [b - a for a, b in zip(previous, done)],
-                                         slots, codes[:, :slots]))
+            on_iteration(report)
 
-    meta = {"mode": acceleration.mode_name, "lossless": acceleration.lossless,
-            "window": window, "tree_nodes": tree.size, "seed": seed,
-            "family": getattr(model, "family", "?"), "codebook_size": vocab,
+    meta = {"mode": plan.mode_name, "lossless": acceleration.lossless,
+            "window": acceleration.window, "tree_nodes": plan.max_nodes, "seed": seed,
+            "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy()}
-    trace = recorder.finish((height, width), meta)
-    return GenerationResult(codes[:, :slots].reshape(batch, height, width).cpu(), trace)
+    meta.update(plan.notes())
+    trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
+    codes = decoder.codes.view(-1, decoder.stride)[:, :decoder.slots]
+    return GenerationResult(codes.reshape(-1, decoder.height, decoder.width).cpu(), trace)

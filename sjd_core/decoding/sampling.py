@@ -2,8 +2,8 @@
 
 ``process`` is the one definition of the target distribution (CFG on raw logits, temperature,
 top-k, top-p): plain autoregression and every speculative mode call it, so "lossless" has a single
-meaning. Sampling uses exponential races (``argmax(p / E)`` with ``E ~ Exp(1)``), which need no
-device synchronisation and, taken as a top-k, draw without replacement.
+meaning. Draws invert a CDF at a uniform, and candidates without replacement use exponential races
+(``argmax(p / E)`` with ``E ~ Exp(1)``, taken as a top-k); neither needs a device synchronisation.
 """
 
 from __future__ import annotations
@@ -69,13 +69,23 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return normalise((p - q).clamp_min(0.0), p)
 
 
-def race(dist: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One draw per distribution along the last axis, given ``noise ~ Exp(1)`` of the same shape."""
-    return torch.argmax(dist / noise, dim=-1)
+def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per distribution along the last axis, by inverting its CDF at ``u`` in (0, 1].
+
+    The smallest index whose cumulative mass reaches ``u`` times the total, so a code of
+    probability 0 is never drawn. ``u`` has the distributions' leading shape.
+    """
+    cdf = dist.cumsum(-1)
+    point = (u * cdf[..., -1])[..., None]
+    return torch.searchsorted(cdf, point).squeeze(-1).clamp_max(dist.shape[-1] - 1)
 
 
 def race_top(dist: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
-    """``count`` draws without replacement (in draw order), given ``noise ~ Exp(1)``."""
+    """``count`` draws without replacement (in draw order), given ``noise ~ Exp(1)``.
+
+    ``argmax(p / E)`` with independent ``E ~ Exp(1)`` is a draw from ``p`` (an exponential race);
+    the ``count`` largest are draws without replacement in order (the Gumbel-top-k trick).
+    """
     return torch.topk(dist / noise, count, dim=-1).indices
 
 
@@ -87,21 +97,27 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
 class RowRandom:
     """One random stream per batch row, so a row's result depends only on its own seed.
 
-    Every draw is made row by row from that row's generator with the same shapes whatever the
-    batch, which makes image b of a batch identical to the same seed generated alone.
+    Each iteration takes all its random numbers in one call (:meth:`uniform`), row by row from
+    that row's generator, in the same amount whatever the batch: image b of a batch is identical
+    to the same seed generated alone, also after other rows have finished (:meth:`retain`).
     """
 
     def __init__(self, seeds: Sequence[int], device: torch.device) -> None:
         self.device = torch.device(device)
         self.generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
 
-    def uniform(self, *shape: int) -> torch.Tensor:
-        """(B, *shape) uniforms in (0, 1] (never 0, so ``u * q <= p`` needs ``p > 0``)."""
-        rows = [1.0 - torch.rand(shape, generator=g, device=self.device) for g in self.generators]
-        return torch.stack(rows)
+    def uniform(self, count: int) -> torch.Tensor:
+        """(B, count) uniforms in (0, 1] (never 0, so ``u * q <= p`` needs ``p > 0``)."""
+        out = torch.empty(len(self.generators), count, device=self.device)
+        for row, generator in zip(out, self.generators):
+            torch.rand(count, generator=generator, out=row)
+        return out.neg_().add_(1.0)
 
-    def exponential(self, *shape: int) -> torch.Tensor:
-        """(B, *shape) draws of Exp(1), for races."""
-        rows = [torch.empty(shape, device=self.device).exponential_(generator=g)
-                for g in self.generators]
-        return torch.stack(rows).clamp_min_(1e-30)
+    def retain(self, rows: Sequence[int]) -> None:
+        """Keep the streams of these rows only (the others' images are finished)."""
+        self.generators = [self.generators[row] for row in rows]
+
+
+def exponential(uniforms: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from uniforms in (0, 1], kept away from 0 for races."""
+    return uniforms.log().neg_().clamp_min_(1e-30)

@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .verify import COMMIT_KINDS
+from .drafting import DRAFT_SOURCES
+from .verify import ACCEPTED, COMMIT_KINDS
 
 _NEVER = 2**31 - 1
+TRACE_VERSION = 2
 
 
 class _Clock:
@@ -52,55 +54,81 @@ class _Clock:
 
 
 class TraceRecorder:
-    """Accumulates per-slot and per-iteration records on the device during decoding."""
+    """Accumulates per-slot records on the device and per-iteration records on the host.
+
+    Slot records are flat (B * (slots + 1),): index ``row * (slots + 1) + slot``, where the
+    extra column of each row absorbs writes for slots past the grid. The clock takes four marks
+    per iteration: its start, the network's start and end (marked by the session), its end.
+    """
 
     def __init__(self, batch: int, slots: int, device: torch.device) -> None:
-        self.slots = slots
-        shape = (batch, slots + 1)  # the extra column absorbs writes for slots past the grid
-        self.commit_iteration = torch.full(shape, -1, dtype=torch.int32, device=device)
-        self.entered = torch.full(shape, _NEVER, dtype=torch.int32, device=device)
-        self.probability = torch.full(shape, float("nan"), device=device)
-        self.kind = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.committed: list[torch.Tensor] = []
+        self.batch, self.slots = batch, slots
+        size = batch * (slots + 1)
+        self.commit_iteration = torch.full((size,), -1, dtype=torch.int32, device=device)
+        self.entered = torch.full((size,), _NEVER, dtype=torch.int32, device=device)
+        self.probability = torch.full((size,), float("nan"), device=device)
+        self.kind = torch.zeros(size, dtype=torch.int8, device=device)
+        self.source = torch.zeros(size, dtype=torch.int8, device=device)
+        self.committed: list[list[int]] = []  # per iteration, per image of the batch
+        self.shape_index: list[int] = []
+        self.shapes: list[str] = []
         self.clock = _Clock(device)
 
-    def entered_window(self, iteration: int, slot_index: torch.Tensor) -> None:
-        """Slots (B, L) (the trash column for none) seen in the window at ``iteration``."""
-        value = torch.full_like(slot_index, iteration, dtype=torch.int32)
-        self.entered.scatter_reduce_(1, slot_index, value, reduce="amin")
+    def entered_window(self, iteration: int, flat_index: torch.Tensor) -> None:
+        """Slots (flat indices) fed in the window at ``iteration``."""
+        index = flat_index.flatten()
+        value = torch.full_like(index, iteration, dtype=torch.int32)
+        self.entered.scatter_reduce_(0, index, value, reduce="amin")
 
-    def committed_slots(self, iteration: int, slot_index: torch.Tensor, count: torch.Tensor,
-                        kinds: torch.Tensor, probability: torch.Tensor) -> None:
-        """Record the slots (B, L) committed this iteration (trash column where not)."""
-        self.commit_iteration.scatter_(1, slot_index, torch.full_like(slot_index, iteration,
-                                                                     dtype=torch.int32))
-        self.kind.scatter_(1, slot_index, kinds.to(torch.int8))
-        self.probability.scatter_(1, slot_index, probability.float())
-        self.committed.append(count)
+    def committed_slots(self, iteration: int, flat_index: torch.Tensor, kinds: torch.Tensor,
+                        probability: torch.Tensor, sources: torch.Tensor) -> None:
+        """Record the slots committed this iteration (flat indices; the trash column where not)."""
+        index = flat_index.flatten()
+        self.commit_iteration.index_fill_(0, index, iteration)
+        self.kind.scatter_(0, index, kinds.flatten().to(torch.int8))
+        self.probability.scatter_(0, index, probability.flatten().float())
+        self.source.scatter_(0, index, sources.flatten())
+
+    def iteration_done(self, rows: list[int], accepted: list[int], shape: str) -> None:
+        """Host-side record of one iteration: slots committed per image, and the shape fed."""
+        counts = [0] * self.batch
+        for row, count in zip(rows, accepted):
+            counts[row] = count
+        self.committed.append(counts)
+        if shape not in self.shapes:
+            self.shapes.append(shape)
+        self.shape_index.append(self.shapes.index(shape))
 
     def finish(self, grid: tuple[int, int], meta: dict[str, Any]) -> "Trace":
         """Read everything back once and build the host-side trace."""
         height, width = grid
-        batch = self.kind.shape[0]
+        batch = self.batch
 
         def to_grid(x: torch.Tensor) -> np.ndarray:
-            return x[:, : self.slots].reshape(batch, height, width).cpu().numpy()
+            return x.view(batch, self.slots + 1)[:, : self.slots].reshape(
+                batch, height, width).cpu().numpy()
 
         commit = to_grid(self.commit_iteration)
         entered = to_grid(self.entered)
-        seconds = self.clock.phases(3)  # iteration start, forward done, iteration done
-        forward, other = seconds[:, 0], seconds[:, 1]
-        committed = (torch.stack(self.committed).cpu().numpy() if self.committed
-                     else np.zeros((0, batch), dtype=np.int64))
+        seconds = self.clock.phases(4)  # start, network start, network end, end
+        iterations = len(self.committed)
+        if seconds.shape[0] != iterations:
+            raise RuntimeError(f"the clock has {seconds.shape[0]} complete iterations of marks for "
+                               f"{iterations} iterations: a session must call mark() twice per "
+                               "forward")
         return Trace(
-            meta=dict(meta, run_id=uuid.uuid4().hex, grid=[height, width], batch=batch),
-            committed_per_iteration=committed.astype(np.int64),
-            forward_seconds=forward[: len(committed)],
-            other_seconds=other[: len(committed)],
+            meta=dict(meta, run_id=uuid.uuid4().hex, grid=[height, width], batch=batch,
+                      shapes=list(self.shapes), trace_version=TRACE_VERSION),
+            committed_per_iteration=np.array(self.committed, dtype=np.int64).reshape(
+                iterations, batch),
+            forward_seconds=seconds[:, 1],
+            other_seconds=seconds[:, 0] + seconds[:, 2],
+            shape_per_iteration=np.array(self.shape_index, dtype=np.int64),
             commit_iteration=commit.astype(np.int64),
             iterations_in_window=(commit - entered + 1).astype(np.int64),
             acceptance_probability=to_grid(self.probability).astype(np.float64),
             commit_kind=to_grid(self.kind).astype(np.int64),
+            draft_source=to_grid(self.source).astype(np.int64),
         )
 
 
@@ -108,24 +136,28 @@ class TraceRecorder:
 class Trace:
     """A finished generation's record; plain numpy, JSON-serialisable.
 
-    Per iteration: slots committed per row, forward seconds, seconds spent drafting, verifying
-    and bookkeeping. Per slot (B, H, W): the iteration that committed it, how many iterations it
-    sat in the window, the acceptance probability of its test at commit (NaN when no draft was
-    tested, e.g. plain autoregression) and how it was committed (``COMMIT_KINDS``).
+    Per iteration: slots committed per row, the network's seconds, the seconds spent on
+    everything else, and the shape fed (``meta["shapes"]``). Per slot (B, H, W): the iteration
+    that committed it, how many iterations it was fed in the window, the acceptance probability
+    of its test at commit (NaN when no draft was tested, e.g. plain autoregression), how it was
+    committed (``COMMIT_KINDS``) and how the tested draft was made (``DRAFT_SOURCES``).
     """
 
     meta: dict[str, Any]
     committed_per_iteration: np.ndarray  # (I, B)
-    forward_seconds: np.ndarray  # (I,)
-    other_seconds: np.ndarray  # (I,)
+    forward_seconds: np.ndarray  # (I,) the network
+    other_seconds: np.ndarray  # (I,) everything else: inputs, drafting, verifying, bookkeeping
+    shape_per_iteration: np.ndarray  # (I,) index into meta["shapes"] of what was fed
     commit_iteration: np.ndarray  # (B, H, W)
     iterations_in_window: np.ndarray
     acceptance_probability: np.ndarray
     commit_kind: np.ndarray
+    draft_source: np.ndarray  # (B, H, W) how the tested draft was made (DRAFT_SOURCES)
     _arrays: tuple[str, ...] = field(default=("committed_per_iteration", "forward_seconds",
-                                              "other_seconds", "commit_iteration",
-                                              "iterations_in_window", "acceptance_probability",
-                                              "commit_kind"), repr=False)
+                                              "other_seconds", "shape_per_iteration",
+                                              "commit_iteration", "iterations_in_window",
+                                              "acceptance_probability", "commit_kind",
+                                              "draft_source"), repr=False)
 
     def row_nfe(self) -> np.ndarray:
         """Forward passes each row needed: the last iteration in which it committed, plus one."""
@@ -163,13 +195,18 @@ class Trace:
             "other_seconds": other,
             "total_seconds": forward + other,
             "other_share": other / (forward + other) if forward + other > 0 else 0.0,
+            "shapes": {shape: int((self.shape_per_iteration == index).sum())
+                       for index, shape in enumerate(self.meta.get("shapes", []))},
+            "draft_sources": {name: int(((self.draft_source == code)
+                                         & (self.commit_kind == ACCEPTED)).sum())
+                              for code, name in DRAFT_SOURCES.items() if code},
         }
 
     def slot_maps(self) -> dict[str, np.ndarray]:
         """The per-slot (B, H, W) arrays the diagnostics heatmaps are drawn from."""
         return {name: getattr(self, name) for name in
                 ("commit_iteration", "iterations_in_window", "acceptance_probability",
-                 "commit_kind")}
+                 "commit_kind", "draft_source")}
 
     def to_json(self) -> str:
         """JSON text; NaN acceptance probabilities become null."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftTree
-from .sampling import normalise, race, residual
+from .sampling import normalise, residual, sample
 from .settings import AccelerationSettings
 
 ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
@@ -137,97 +137,136 @@ class Verdict:
     probability: torch.Tensor  # (B, L) acceptance probability of the test at offset j (NaN: none)
 
 
+@dataclass
+class _Test:
+    """One candidate per parent, tested: the verdicts and what they rest on."""
+
+    accept: torch.Tensor  # (B, N) candidate accepted
+    relaxed: torch.Tensor  # (B, N) accepted only because the rule is relaxed
+    probability: torch.Tensor  # (B, N) acceptance probability min(1, p/q); NaN where not tested
+
+
+def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
+                   live: torch.Tensor, u: torch.Tensor, p_x: torch.Tensor,
+                   q_x: torch.Tensor) -> _Test:
+    """Step k of recursive rejection sampling without replacement, for every parent at once.
+
+    At a parent whose children are candidates ``x_1 .. x_K`` of one slot, drawn without
+    replacement from the slot's draft distribution ``q``, with ``p`` the parent's target:
+
+        p_1 = p, q_1 = q
+        accept x_k with probability min(1, p_k(x_k) / q_k(x_k))
+        otherwise p_{k+1} = norm(max(0, p_k - q_k)), q_{k+1} = q_k without x_k, renormalised
+
+    Why it is exact (Jeon et al. 2024): given that ``x_1 .. x_{k-1}`` were rejected, ``x_k`` is
+    distributed as ``q_k`` (sampling without replacement), so step k is the single-draft test of
+    ``p_k`` against ``q_k``; by the exactness lemma a draw that passes step k, or failing it, the
+    rest of the procedure, is distributed as ``p_k``. By induction from k = K down (where the
+    remainder is a plain draw from ``p_{K+1}``), the child taken is distributed as ``p_1 = p``.
+
+    Here ``p``/``q`` are step k's distributions (``q`` only for rules that read all of it),
+    ``x``/``live`` the candidate and whether it exists and is still in play, ``u`` its uniform in
+    (0, 1], and ``p_x``/``q_x`` the masses ``p_k(x)``/``q_k(x)``. ``rule`` may enlarge the two
+    masses (relaxed acceptance); the exact rule leaves them as they are.
+    """
+    p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
+    accept = live & (u * q_mass <= p_mass)
+    probability = torch.where(live, (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0),
+                              torch.full_like(p_mass, float("nan")))
+    return _Test(accept, accept & ~(u * q_x <= p_x), probability)
+
+
+def after_rejection(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
+                    rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_{k+1}, q_{k+1})`` where candidate ``x`` was tested and ``rejected``; else unchanged."""
+    q_rest = normalise(q.scatter(-1, x[..., None], 0.0), q)
+    where = rejected[..., None]
+    return torch.where(where, residual(p, q), p), torch.where(where, q_rest, q)
+
+
+def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return dist.gather(-1, x[..., None]).squeeze(-1)
+
+
 def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
                 node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
-                final_noise: torch.Tensor, rule) -> Verdict:
-    """Recursive rejection sampling over every parent at once, then the accepted path.
+                final_uniform: torch.Tensor, rule) -> Verdict:
+    """Test every parent's candidates, find the accepted path and draw the slot after it.
 
-    ``p`` (B, T, V): target distribution after each fed node; ``node_tokens``/``node_valid``
-    (B, T); ``q_slots`` (B, L, V): draft distribution per window offset; ``uniforms`` (B, T, K);
-    ``final_noise`` (B, V) for the residual or bonus draw at the end of the path.
+    ``p`` (B, T, V): target after each fed node; ``node_tokens``/``node_valid`` (B, T);
+    ``q_slots`` (B, W, V): draft distribution per window offset (W >= the tree's window);
+    ``uniforms`` (B, T, K): one per candidate; ``final_uniform`` (B,) for the last draw.
 
-    The first candidate of every parent is tested with gathered scalars; only the parents that
-    have siblings (the PD tree's inner nodes) carry full residual distributions through the
-    later candidates, and the final residual is formed for the one node where the path ends.
+    Every node's first candidate is tested at once with gathered masses (a chain is the case
+    K = 1); the PD tree's inner nodes then test candidates 2..K with :func:`check_candidate`,
+    carrying full residual distributions (only there). The path follows the accepted child of
+    each node from the root. At its end the slot is drawn from what recursive rejection left
+    (the residual after the rejected candidates), or from the target itself when no candidate
+    was tested there (a bonus draw after a fully accepted chain).
     """
     batch, size, vocab = p.shape
-    window = q_slots.shape[1]
-    parent_slot = tree.depth.clamp_max(window - 1)
-
-    def q_of(nodes: torch.Tensor) -> torch.Tensor:
-        return q_slots.gather(1, parent_slot[nodes][None, :, None].expand(batch, -1, vocab))
-
-    def test(k, nodes, p_nodes, q_nodes, q_x):
-        child = tree.children[nodes, k]
-        x = node_tokens.gather(1, child.clamp_min(0).expand(batch, -1))
-        live = (child >= 0) & node_valid.gather(1, child.clamp_min(0).expand(batch, -1))
-        p_x = p_nodes.gather(-1, x[..., None]).squeeze(-1)
-        q_x = q_x(x)
-        p_mass, q_mass = rule.masses(p_nodes, q_nodes, x, p_x, q_x)
-        u = uniforms[:, nodes, k]
-        accept = live & (u * q_mass <= p_mass)
-        probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
-        return x, live, accept, accept & ~(u * q_x <= p_x), probability
-
-    every = torch.arange(size, device=p.device)
+    window = tree.window
+    child_slot = tree.depth.clamp_max(q_slots.shape[1] - 1)  # the slot a node's children fill
     rows = torch.arange(batch, device=p.device)[:, None]
-    x, live, accept, relaxed, probability = test(
-        0, every, p, q_of(every) if rule.uses_q else None,
-        lambda x: q_slots[rows, parent_slot, x])
-    nan = torch.full_like(probability, float("nan"))
-    first_probability = torch.where(live, probability, nan)
-    taken_probability = torch.where(accept, probability, nan)
-    chosen = torch.where(accept, tree.children[:, 0], -1)
-    tested = live
-    final_inner = None
+    nodes = torch.arange(size, device=p.device)
+
+    def candidates(parents: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        child = tree.children[parents, k]
+        index = child.clamp_min(0).expand(batch, -1)
+        return node_tokens.gather(1, index), (child >= 0) & node_valid.gather(1, index)
+
+    x, live = candidates(nodes, 0)
+    q_nodes = q_slots[:, child_slot] if rule.uses_q else None
+    first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x),
+                           q_slots[rows, child_slot, x])
+    chosen = torch.where(first.accept, tree.children[:, 0], -1)  # accepted child per node
+    taken = torch.where(first.accept, first.probability, float("nan"))
+    relaxed = first.relaxed
+    inner_end = None
     if tree.branching > 1:
         inner = tree.inner_nodes
-        p_in, q_in = p[:, inner], q_of(inner)
-        decided = accept[:, inner]
+        p_k, q_k = p[:, inner], q_slots[:, child_slot[inner]]
+        searching = ~first.accept[:, inner]
         for k in range(1, tree.branching):
-            step = (live[:, inner] & ~decided) if k == 1 else (live_k & ~decided)
-            step = step[..., None]
-            previous = x[:, inner] if k == 1 else x_k
-            q_next = normalise(q_in.scatter(-1, previous[..., None], 0.0), q_in)
-            p_in, q_in = torch.where(step, residual(p_in, q_in), p_in), torch.where(step, q_next, q_in)
-            x_k, live_k, accept_k, relaxed_k, probability_k = test(
-                k, inner, p_in, q_in, lambda x: q_in.gather(-1, x[..., None]).squeeze(-1))
-            live_k = live_k & ~decided
-            accept_k = accept_k & live_k
+            rejected, rejected_live = candidates(inner, k - 1)
+            p_k, q_k = after_rejection(p_k, q_k, rejected, searching & rejected_live)
+            x, live = candidates(inner, k)
+            step = check_candidate(rule, p_k, q_k, x, live & searching, uniforms[:, inner, k],
+                                  _masses(p_k, x), _masses(q_k, x))
             index = inner.expand(batch, -1)
-            chosen = chosen.scatter(1, index, torch.where(accept_k, tree.children[inner, k],
+            chosen = chosen.scatter(1, index, torch.where(step.accept, tree.children[inner, k],
                                                           chosen[:, inner]))
-            taken_probability = taken_probability.scatter(
-                1, index, torch.where(accept_k, probability_k, taken_probability[:, inner]))
-            relaxed = relaxed.scatter(1, index, relaxed[:, inner] | (relaxed_k & accept_k))
-            decided = decided | accept_k
-        last = (live_k & ~decided)[..., None]
-        final_inner = torch.where(last, residual(p_in, q_in), p_in)
-    edge = torch.zeros_like(live)
-    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == every[1:]
-    edge[:, 0] = True
+            taken = taken.scatter(1, index, torch.where(step.accept, step.probability,
+                                                        taken[:, inner]))
+            relaxed = relaxed.scatter(1, index, relaxed[:, inner] | step.relaxed)
+            searching = searching & ~step.accept
+        last, last_live = candidates(inner, tree.branching - 1)
+        inner_end, _ = after_rejection(p_k, q_k, last, searching & last_live)
+
+    edge = torch.ones(batch, size, dtype=torch.bool, device=p.device)
+    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == nodes[1:]
     on_path = ~((~edge)[:, None, :] & tree.ancestors[None]).any(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
     accepted = tree.depth[deepest]
     path = tree.route[deepest]
-    ends_tested = tested.gather(1, deepest[:, None]).squeeze(1)
-    p_end = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    q_end = q_slots.gather(1, parent_slot[deepest][:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    final_dist = torch.where(ends_tested[:, None], residual(p_end, q_end), p_end)
-    if final_inner is not None:
-        slot_in_inner = tree.inner_index[deepest]
-        from_inner = final_inner.gather(1, slot_in_inner.clamp_min(0)[:, None, None]
-                                        .expand(-1, 1, vocab)).squeeze(1)
-        final_dist = torch.where((slot_in_inner >= 0)[:, None], from_inner, final_dist)
-    final_token = race(final_dist, final_noise)
+
+    tested_at_end = first.probability.gather(1, deepest[:, None]).squeeze(1).isfinite()
+    p_end = p[rows.squeeze(1), deepest]
+    q_end = q_slots[rows.squeeze(1), child_slot[deepest]]
+    end = torch.where(tested_at_end[:, None], residual(p_end, q_end), p_end)
+    if inner_end is not None:
+        at_inner = tree.inner_index[deepest]
+        end = torch.where((at_inner >= 0)[:, None],
+                          inner_end[rows.squeeze(1), at_inner.clamp_min(0)], end)
+    final_token = sample(end, final_uniform)
+
     offsets = torch.arange(window, device=p.device)
     next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
+    before_end = offsets < accepted[:, None]
     tokens = torch.where(offsets == accepted[:, None], final_token[:, None],
                          node_tokens.gather(1, next_nodes))
-    final_kind = torch.where(ends_tested, RESIDUAL, BONUS)
-    kinds = torch.where(offsets < accepted[:, None],
-                        torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED),
-                        final_kind[:, None].expand(-1, window))
-    probability = torch.where(offsets < accepted[:, None], taken_probability.gather(1, path),
-                              first_probability.gather(1, path))
+    final_kind = torch.where(tested_at_end, RESIDUAL, BONUS)
+    kinds = torch.where(before_end, torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED),
+                        final_kind[:, None])
+    probability = torch.where(before_end, taken.gather(1, path), first.probability.gather(1, path))
     return Verdict(path, accepted, tokens, kinds, probability)

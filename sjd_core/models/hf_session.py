@@ -256,8 +256,8 @@ class HFSession(DecodingSession):
         return int(((slots >= 0) & (slots % w == w - 1)).sum(1).max())
 
     @torch.no_grad()
-    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+                committed=None, mark=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` at ``slots`` (B, T) under the (T, T) ``ancestors`` mask; see the protocol."""
         p, dev = self.parts, self.parts.device
         b, t = codes.shape
@@ -306,10 +306,14 @@ class HFSession(DecodingSession):
 
         past = _additive(self._valid, p.dtype)[:, None, None, :].expand(-1, 1, n_tok, -1)
         mask = torch.cat([past, tree_token_mask(ancestors.to(dev, torch.bool), node_of, real, p.dtype)], dim=-1)
+        if mark is not None:
+            mark()
         hidden = self._run(x, mask, positions)
         out_tok = (end_tok - 1).to(hidden.device)
         hidden = hidden.gather(1, out_tok[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = p.code_logits(hidden).float().to(dev)  # the head may sit on another device
+        if mark is not None:
+            mark()
         self._fed = (node_of, real)
         self._valid = torch.cat([self._valid, torch.zeros_like(real)], dim=1)  # valid once kept
         if self.guided:
@@ -353,3 +357,18 @@ class HFSession(DecodingSession):
         self._base_len = base
         counts = torch.cat([kept, self._valid.sum(1), mask[:self.batch_size].sum(1)])
         self._pending = _to_host_async(counts)
+
+    @torch.no_grad()
+    def retain(self, rows) -> None:
+        """Go on with only these batch rows (and their unconditional rows)."""
+        if self._pending is not None:
+            self._apply_pending()
+        keep = list(rows) + ([r + self.batch_size for r in rows] if self.guided else [])
+        index = torch.tensor(keep, device=self.parts.device)
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(0, index.to(layer.values.device))
+        self._valid, self._start, self._base = self._valid[index], self._start[index], self._base[index]
+        self._cached_nodes = self._cached_nodes[list(rows)]
+        self.batch_size, self._rows = len(rows), len(keep)

@@ -119,21 +119,33 @@ class SyntheticSession:
         self.cache.repeat_rows(self.batch_size, lengths)
         self.prefix = self.cache.length.clone()
 
-    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+                committed=None, mark=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = self.model
         copies = 2 if self.guided else 1
         codes, slots = codes.repeat(copies, 1), slots.repeat(copies, 1)
         tokens = torch.where(slots < 0, model.begin_token, codes)
         positions = self.prefix[:, None] + 1 + slots
+        if mark is not None:
+            mark()
         with torch.inference_mode():
             logits = model.run(self.cache, tokens, positions, ancestors)
+        if mark is not None:
+            mark()
         if not self.guided:
             return logits, None
         return logits[: self.batch_size], logits[self.batch_size:]
 
     def keep(self, mask: torch.Tensor) -> None:
         self.cache.keep(mask.repeat(2 if self.guided else 1, 1))
+
+    def retain(self, rows) -> None:
+        keep = list(rows) + ([r + self.batch_size for r in rows] if self.guided else [])
+        index = torch.tensor(keep, device=self.prefix.device)
+        self.cache.keys = [k[index] for k in self.cache.keys]
+        self.cache.values = [v[index] for v in self.cache.values]
+        self.cache.length, self.prefix = self.cache.length[index], self.prefix[index]
+        self.batch_size = len(rows)
 
 
 class SyntheticModel(nn.Module):

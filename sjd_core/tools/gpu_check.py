@@ -102,7 +102,7 @@ def time_forward(model: ChameleonImageModel, slots: torch.Tensor, ancestors: tor
     for _ in range(repeats + 1):  # the first call warms up
         _sync(dev)
         start = time.perf_counter()
-        session.forward(codes, slots, ancestors)
+        session.forward(codes, slots, ancestors, [0])
         _sync(dev)
         times.append(time.perf_counter() - start)
         session.keep(keep_none)
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     chain = lambda t: torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))  # noqa: E731
     one = time_forward(model, torch.tensor([[-1]], device=device), chain(1), repeats)
     window = time_forward(model, torch.arange(-1, 63, device=device)[None], chain(64), repeats)
-    tree = DraftTree.build(AccelerationSettings(window=16, proactive_drafting=True, pd_candidates=4,
-                                                pd_depth=3), device)
+    tree = DraftTree.build(16, 4, 3, device)
     pd = time_forward(model, (tree.depth - 1)[None], tree.ancestors, repeats)
     print(f"forward, 1 token:            {one * 1e3:8.2f} ms")
     print(f"forward, 64-slot window:     {window * 1e3:8.2f} ms")
