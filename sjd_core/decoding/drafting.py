@@ -111,8 +111,10 @@ class DraftTree:
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).
-NO_DRAFT, UNIFORM_INIT, LEFT_INIT, TARGET_DRAW, AC_KEPT, AC_REPLACED, VP_DRAW, PD_SIBLING = range(8)
+(NO_DRAFT, UNIFORM_INIT, LEFT_INIT, ABOVE_INIT, ABOVE_TARGET_INIT, TARGET_DRAW, AC_KEPT,
+ AC_REPLACED, VP_DRAW, PD_SIBLING) = range(10)
 DRAFT_SOURCES = {NO_DRAFT: "no draft", UNIFORM_INIT: "uniform init", LEFT_INIT: "copy of left",
+                 ABOVE_INIT: "copy of above", ABOVE_TARGET_INIT: "drawn from the target above",
                  TARGET_DRAW: "drawn from target", AC_KEPT: "kept by AC",
                  AC_REPLACED: "replaced by AC", VP_DRAW: "drawn by VP", PD_SIBLING: "PD sibling"}
 
@@ -147,38 +149,83 @@ class WindowState:
                               self.vp_rises, self.vp_known)))
 
 
-def initial_drafts(rule: str, anchor: torch.Tensor, state: WindowState, fill: torch.Tensor,
-                   first_slot: torch.Tensor, grid_width: int, uniforms: torch.Tensor) -> None:
+@dataclass
+class Canvas:
+    """What the init rules may look at: the committed codes and, per column, the last target.
+
+    ``codes`` is flat (row ``b`` of the batch starts at ``row_start[b]``); ``column_targets``
+    (B, grid_width, V) holds, for each column, the target distribution of the last committed
+    slot in it (None when no rule needs it).
+    """
+
+    codes: torch.Tensor
+    row_start: torch.Tensor
+    committed: torch.Tensor  # (B,) slots committed per row
+    anchor: torch.Tensor  # (B,) the last committed code
+    width: int
+    slots: int  # per image
+    column_targets: torch.Tensor | None = None
+
+
+def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
+                   uniforms: torch.Tensor) -> None:
     """Draft the slots entering the window (``fill`` (B, W) True) by the init rule, in place.
 
-    ``uniform``: a uniform random code, q uniform. ``left``: the code to the left in the same
-    row (the last committed code, an earlier draft or a copy of one), q one-hot, so the draft
-    is accepted with probability ``p(code)``; slots in the first column fall back to uniform.
-    ``uniforms`` (B, W) in (0, 1] pick the random codes. Other offsets keep their drafts.
+    Every rule is a proposal fixed before verification, and the slot's q is what its draft was
+    drawn from, so the acceptance test stays exact:
+    ``uniform``: a uniform random code, q uniform.
+    ``left``: the code to the left in the same row (the last committed code, an earlier draft or
+    a copy of one), q one-hot (accepted with probability ``p(code)``); the first column falls
+    back to uniform.
+    ``above``: the code above in the same column (committed, or the draft there), q one-hot; the
+    first row falls back to ``left``.
+    ``above_target``: a draw from the committed target of the slot above, q that target; where
+    the slot above is not committed yet, ``above``; the first row falls back to ``left``.
+    ``uniforms`` (B, W) in (0, 1] make the random draws. Other offsets keep their drafts.
     """
     batch, window, vocab = state.q.shape
+    device = state.tokens.device
+    offsets = torch.arange(window, device=device)
+    slot = canvas.committed[:, None] + offsets
+    first_column = slot % canvas.width == 0
     random_tokens = (uniforms * vocab).long().clamp_max(vocab - 1)
     uniform_q = state.q.new_full((1, 1, vocab), 1.0 / vocab)
+    one_hot = lambda codes: torch.nn.functional.one_hot(codes, vocab).to(state.q.dtype)  # noqa: E731
     if rule == "uniform":
-        state.tokens = torch.where(fill, random_tokens, state.tokens)
-        state.q = torch.where(fill[..., None], uniform_q, state.q)
-        state.source = torch.where(fill, UNIFORM_INIT, state.source).to(torch.int8)
-        return
-    offsets = torch.arange(window, device=anchor.device)
-    first_column = (first_slot[:, None] + offsets) % grid_width == 0
-    own = torch.where(fill & first_column, random_tokens, state.tokens)
-    is_source = ~fill | first_column
-    line = torch.cat([anchor[:, None], own], dim=1)
-    positions = torch.arange(window + 1, device=anchor.device).expand(batch, -1)
-    sources = torch.where(torch.cat([torch.ones_like(is_source[:, :1]), is_source], 1),
-                          positions, torch.zeros_like(positions))
-    copied = line.gather(1, sources.cummax(dim=1).values)[:, 1:]
-    init_q = torch.where(first_column[..., None], uniform_q,
-                         torch.nn.functional.one_hot(copied, vocab).to(state.q.dtype))
-    state.tokens = torch.where(fill, copied, state.tokens)
-    state.q = torch.where(fill[..., None], init_q, state.q)
-    state.source = torch.where(fill, torch.where(first_column, UNIFORM_INIT, LEFT_INIT),
-                               state.source).to(torch.int8)
+        tokens, q, source = random_tokens, uniform_q.expand(batch, window, -1), UNIFORM_INIT
+    else:
+        own = torch.where(fill & first_column, random_tokens, state.tokens)
+        is_source = ~fill | first_column
+        line = torch.cat([canvas.anchor[:, None], own], dim=1)
+        positions = torch.arange(window + 1, device=device).expand(batch, -1)
+        sources = torch.where(torch.cat([torch.ones_like(is_source[:, :1]), is_source], 1),
+                              positions, torch.zeros_like(positions))
+        left = line.gather(1, sources.cummax(dim=1).values)[:, 1:]
+        tokens = left
+        q = torch.where(first_column[..., None], uniform_q, one_hot(left))
+        source = torch.where(first_column, UNIFORM_INIT, LEFT_INIT)
+        if rule in ("above", "above_target"):
+            above_slot = slot - canvas.width
+            has_above = above_slot >= 0
+            above_committed = above_slot < canvas.committed[:, None]
+            committed_code = canvas.codes[canvas.row_start[:, None] + above_slot.clamp(0, canvas.slots)]
+            in_window = state.tokens.gather(1, (offsets - canvas.width).clamp_min(0).expand(batch, -1))
+            above = torch.where(above_committed, committed_code, in_window)
+            above_q = one_hot(above)
+            above_source = torch.full_like(tokens, ABOVE_INIT)
+            if rule == "above_target":
+                column = canvas.column_targets.gather(
+                    1, (slot % canvas.width)[..., None].expand(-1, -1, vocab))
+                drawn = sample(column, uniforms)
+                above = torch.where(above_committed, drawn, above)
+                above_q = torch.where(above_committed[..., None], column, above_q)
+                above_source = torch.where(above_committed, ABOVE_TARGET_INIT, ABOVE_INIT)
+            tokens = torch.where(has_above, above, tokens)
+            q = torch.where(has_above[..., None], above_q, q)
+            source = torch.where(has_above, above_source, source)
+    state.tokens = torch.where(fill, tokens, state.tokens)
+    state.q = torch.where(fill[..., None], q, state.q)
+    state.source = torch.where(fill, source, state.source).to(torch.int8)
 
 
 def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | None

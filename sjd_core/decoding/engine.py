@@ -18,16 +18,15 @@ rows still decoding no longer pay for it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
-from .drafting import NO_DRAFT, DraftTree, WindowState, add_candidates, initial_drafts, redraft, \
-    shift_window
-from .planner import Plan, make_plan
+from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
+    redraft, shift_window
+from .planner import Plan, describe_shape, make_plan
 from .sampling import RowRandom, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings
 from .trace import Trace, TraceRecorder
@@ -91,6 +90,9 @@ class _Decoder:
         self.rule = acceptance_rule(acceleration, None if acceleration.lossless
                                     else model.codebook_embeddings().to(device))
         self.state: WindowState | None = None  # drafts; None after plain autoregressive steps
+        # per column, the target of the last committed slot (+ a column that absorbs the rest)
+        self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
+                               if acceleration.init == "above_target" else None)
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)
         self.iteration = 0
 
@@ -106,6 +108,9 @@ class _Decoder:
         kind = torch.where(target.amax(-1) >= _FORCED_MASS, FORCED, BONUS)
         slot = self.committed[:, None]
         self.codes.index_put_((self.row_start + self.committed,), token)
+        if self.column_targets is not None:
+            self.column_targets[torch.arange(len(self.rows), device=self.device),
+                                self.committed % self.width] = target
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + slot)
         self.recorder.committed_slots(self.iteration, self.row_start[:, None] + slot,
                                       kind[:, None], torch.full_like(slot, float("nan"),
@@ -152,6 +157,9 @@ class _Decoder:
         writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
                                                        self.slots)
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
+        if self.column_targets is not None:
+            columns = torch.where(offsets < count[:, None], window_slots % self.width, self.width)
+            self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab), along_path)
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
@@ -175,8 +183,9 @@ class _Decoder:
         return [now - before for before, now in zip(previous, self.done)]
 
     def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
-        initial_drafts(self.acceleration.init, self.anchor, self.state, fill, self.committed,
-                       self.width, uniforms)
+        canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
+                        self.slots, self.column_targets)
+        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms)
 
     # ------------------------------------------------------------------ batch
     def drop_finished(self) -> None:
@@ -194,6 +203,8 @@ class _Decoder:
         self.done = [self.done[i] for i in going_on]
         self.row_start, self.committed, self.anchor = (
             self.row_start[index], self.committed[index], self.anchor[index])
+        if self.column_targets is not None:
+            self.column_targets = self.column_targets[index]
         if self.state is not None:
             self.state = self.state.rows(index)
 
@@ -217,20 +228,24 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     """
     _check_arguments(request, seed)
     device = torch.device(model.device)
-    plan: Plan = make_plan(acceleration, model, request, sampling, device)
+    marks: list = []  # the recorder's clock, once the decoder exists
+    plan: Plan = make_plan(acceleration, model, request, sampling, device,
+                           lambda i: marks[0].seconds_between(4 * i, 4 * i + 3))
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
     decoder = _Decoder(model, session, sampling, acceleration, seed, device)
+    marks.append(decoder.recorder.clock)
     while decoder.rows:
         tree = plan.choose()
-        started = time.perf_counter()
+        warm = decoder.state is not None
         decoder.recorder.clock.mark()
         accepted = (decoder.autoregressive_step() if tree.window == 1
                     else decoder.speculative_step(tree))
         decoder.recorder.clock.mark()
-        plan.observe(tree, accepted, time.perf_counter() - started)
-        decoder.recorder.iteration_done(decoder.rows, accepted, plan.describe(tree))
+        plan.observe(tree, accepted, warm)
+        shape = describe_shape(tree)
+        decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1
-        report = decoder.report(accepted, plan.describe(tree))
+        report = decoder.report(accepted, shape)
         decoder.drop_finished()
         if on_iteration is not None:
             on_iteration(report)

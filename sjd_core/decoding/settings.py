@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-InitRule = Literal["uniform", "left"]
+InitRule = Literal["uniform", "left", "above", "above_target"]
 RelaxedRule = Literal["none", "lantern", "gsd"]
 
-INIT_RULES: tuple[str, ...] = ("uniform", "left")
+INIT_RULES: tuple[str, ...] = ("uniform", "left", "above", "above_target")
 RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
-PRESETS: tuple[str, ...] = ("ar", "sjd", "pac", "pac+vp")
-DEFAULT_PRESET = "pac+vp"  # what the nodes, the demo and the benchmarks run unless told otherwise
+PRESETS: tuple[str, ...] = ("auto", "ar", "sjd", "pac", "pac+vp")
+DEFAULT_PRESET = "auto"  # what the nodes, the demo and the benchmarks run unless told otherwise
 
 
 def _require(condition: bool, setting: str, value: object, allowed: str) -> None:
@@ -58,9 +58,13 @@ class SamplingSettings:
 class AccelerationSettings:
     """Which speculative decoding mode runs, as options of one loop.
 
-    window: slots that can be committed per forward pass; 1 is plain autoregression (AR).
-    init: how slots entering the window are first drafted: ``uniform`` random codes, or ``left``
-        (repeat the code to the left in the same row; the first column falls back to uniform).
+    window: slots that can be committed per forward pass; 1 is plain autoregression (AR). With
+        ``adaptive_shape`` the longest window the plan may feed.
+    init: how slots entering the window are first drafted: ``uniform`` random codes; ``left``
+        (repeat the code to the left in the same row; the first column falls back to uniform);
+        ``above`` (repeat the code above in the same column; the first row falls back to left);
+        ``above_target`` (draw from the committed target distribution of the slot above; the
+        first row falls back to left). Lossless, all of them.
     adaptive_continuation (AC): after a rejection, couple each later draft to its new target
         instead of re-drawing it, so good drafts survive. Lossless.
     proactive_drafting (PD): draft ``pd_candidates`` (K) alternatives for each of the first
@@ -70,6 +74,10 @@ class AccelerationSettings:
         ``vp_decay`` weighs the running average of past distributions. Lossless.
     relaxed: ``none`` (exact), ``lantern`` or ``gsd``. LOSSY: the output is no longer exactly the
         model's distribution.
+    adaptive_shape (auto): every iteration feed the shape (plain autoregression, a window of
+        any length up to ``window``, with or without a PD tree up to ``pd_candidates`` x
+        ``pd_depth``) expected to commit the most codes per second, from this model's measured
+        costs and acceptance so far. Lossless.
     """
 
     window: int = 16
@@ -88,6 +96,7 @@ class AccelerationSettings:
     gsd_rank_radius: int = 7
     gsd_prob_tolerance: float = 0.15
     gsd_embedding_tolerance: float = 0.5
+    adaptive_shape: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
@@ -114,7 +123,8 @@ class AccelerationSettings:
         _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
                  "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
         speculative = self.window > 1
-        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
+                     "adaptive_shape"):
             _require(not getattr(self, name) or speculative, name, getattr(self, name),
                      "False when window=1 (plain autoregression has no drafts); raise window")
         _require(self.relaxed == "none" or speculative, "relaxed", self.relaxed,
@@ -135,7 +145,7 @@ class AccelerationSettings:
         """A short human label such as ``SJD+AC+PD+VP+LANTERN`` (``AR`` for window 1)."""
         if self.window == 1:
             return "AR"
-        parts = ["SJD"]
+        parts = ["AUTO" if self.adaptive_shape else "SJD"]
         parts += [tag for tag, on in (("AC", self.adaptive_continuation),
                                       ("PD", self.proactive_drafting),
                                       ("VP", self.verification_prediction)) if on]
@@ -145,8 +155,14 @@ class AccelerationSettings:
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> "AccelerationSettings":
-        """``ar``, ``sjd``, ``pac`` (SJD+AC+PD) or ``pac+vp``, with optional overrides."""
+        """``auto``, ``ar``, ``sjd``, ``pac`` (SJD+AC+PD) or ``pac+vp``, with optional overrides.
+
+        ``auto`` is cost-aware speculation with everything that pays on its own: AC, drafts for
+        new slots from the target above, PD trees and windows up to 32 chosen per iteration.
+        """
         base = {
+            "auto": dict(window=32, init="above_target", adaptive_continuation=True,
+                         proactive_drafting=True, adaptive_shape=True),
             "ar": dict(window=1),
             "sjd": dict(),
             "pac": dict(adaptive_continuation=True, proactive_drafting=True),

@@ -38,6 +38,16 @@ class _Clock:
         else:
             self.marks.append(time.perf_counter())
 
+    def seconds_between(self, first: int, last: int) -> float | None:
+        """Seconds from mark ``first`` to mark ``last``; None while the device has not passed
+        them yet (never waits)."""
+        if last >= len(self.marks):
+            return None
+        a, b = self.marks[first], self.marks[last]
+        if self.cuda:
+            return a.elapsed_time(b) / 1000.0 if b.query() else None
+        return b - a
+
     def phases(self, per_iteration: int) -> np.ndarray:
         """(iterations, per_iteration - 1) seconds between an iteration's consecutive marks.
 

@@ -34,6 +34,7 @@ class ExactAcceptance:
     """The lossless test: masses ``p(x)`` and ``q(x)`` themselves."""
 
     uses_q = False  # the rule reads only q(x), never the whole draft distribution
+    relaxes = False  # never accepts what the exact rule rejects
 
     def masses(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, p_x: torch.Tensor,
                q_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +51,7 @@ class LanternAcceptance:
     """
 
     uses_q = False
+    relaxes = True
 
     def __init__(self, embeddings: torch.Tensor, neighbours: int, delta: float) -> None:
         self.delta = delta
@@ -73,6 +75,7 @@ class GsdAcceptance:
     """
 
     uses_q = True
+    relaxes = True
 
     def __init__(self, embeddings: torch.Tensor, rank_radius: int, prob_tolerance: float,
                  embedding_tolerance: float) -> None:
@@ -142,13 +145,13 @@ class _Test:
     """One candidate per parent, tested: the verdicts and what they rest on."""
 
     accept: torch.Tensor  # (B, N) candidate accepted
-    relaxed: torch.Tensor  # (B, N) accepted only because the rule is relaxed
+    relaxed: torch.Tensor | None  # (B, N) accepted only because the rule is relaxed (None: exact)
     probability: torch.Tensor  # (B, N) acceptance probability min(1, p/q); NaN where not tested
 
 
 def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
-                   live: torch.Tensor, u: torch.Tensor, p_x: torch.Tensor,
-                   q_x: torch.Tensor) -> _Test:
+                    live: torch.Tensor, u: torch.Tensor, p_x: torch.Tensor,
+                    q_x: torch.Tensor) -> _Test:
     """Step k of recursive rejection sampling without replacement, for every parent at once.
 
     At a parent whose children are candidates ``x_1 .. x_K`` of one slot, drawn without
@@ -172,8 +175,9 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
     p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
     accept = live & (u * q_mass <= p_mass)
     probability = torch.where(live, (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0),
-                              torch.full_like(p_mass, float("nan")))
-    return _Test(accept, accept & ~(u * q_x <= p_x), probability)
+                              float("nan"))
+    relaxed = accept & ~(u * q_x <= p_x) if rule.relaxes else None
+    return _Test(accept, relaxed, probability)
 
 
 def after_rejection(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
@@ -205,68 +209,69 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     was tested there (a bonus draw after a fully accepted chain).
     """
     batch, size, vocab = p.shape
-    window = tree.window
     child_slot = tree.depth.clamp_max(q_slots.shape[1] - 1)  # the slot a node's children fill
-    rows = torch.arange(batch, device=p.device)[:, None]
-    nodes = torch.arange(size, device=p.device)
-
-    def candidates(parents: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        child = tree.children[parents, k]
-        index = child.clamp_min(0).expand(batch, -1)
-        return node_tokens.gather(1, index), (child >= 0) & node_valid.gather(1, index)
-
-    x, live = candidates(nodes, 0)
+    rows = torch.arange(batch, device=p.device)
+    first_child = tree.children[:, 0]
+    x = node_tokens[:, first_child.clamp_min(0)]
+    live = (first_child >= 0) & node_valid[:, first_child.clamp_min(0)]
     q_nodes = q_slots[:, child_slot] if rule.uses_q else None
     first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x),
-                           q_slots[rows, child_slot, x])
-    chosen = torch.where(first.accept, tree.children[:, 0], -1)  # accepted child per node
-    taken = torch.where(first.accept, first.probability, float("nan"))
+                            q_slots[rows[:, None], child_slot, x])
+    chosen = torch.where(first.accept, first_child, -1)  # the accepted child of every node
+    taken = first.probability  # probability of the accepting test, else of the first test
     relaxed = first.relaxed
     inner_end = None
     if tree.branching > 1:
-        inner = tree.inner_nodes
+        inner, kids = tree.inner_nodes, tree.children[tree.inner_nodes]  # (I,), (I, K)
+        cand = node_tokens[:, kids.clamp_min(0)]
+        cand_live = (kids >= 0) & node_valid[:, kids.clamp_min(0)]
         p_k, q_k = p[:, inner], q_slots[:, child_slot[inner]]
+        u_inner = uniforms[:, inner]
         searching = ~first.accept[:, inner]
+        rank = torch.where(first.accept[:, inner], 0, -1)  # which candidate each inner node took
+        inner_taken, inner_relaxed = taken[:, inner], None if relaxed is None else relaxed[:, inner]
         for k in range(1, tree.branching):
-            rejected, rejected_live = candidates(inner, k - 1)
-            p_k, q_k = after_rejection(p_k, q_k, rejected, searching & rejected_live)
-            x, live = candidates(inner, k)
-            step = check_candidate(rule, p_k, q_k, x, live & searching, uniforms[:, inner, k],
-                                  _masses(p_k, x), _masses(q_k, x))
-            index = inner.expand(batch, -1)
-            chosen = chosen.scatter(1, index, torch.where(step.accept, tree.children[inner, k],
-                                                          chosen[:, inner]))
-            taken = taken.scatter(1, index, torch.where(step.accept, step.probability,
-                                                        taken[:, inner]))
-            relaxed = relaxed.scatter(1, index, relaxed[:, inner] | step.relaxed)
+            p_k, q_k = after_rejection(p_k, q_k, cand[..., k - 1], searching & cand_live[..., k - 1])
+            x_k = cand[..., k]
+            step = check_candidate(rule, p_k, q_k, x_k, cand_live[..., k] & searching,
+                                   u_inner[..., k], _masses(p_k, x_k), _masses(q_k, x_k))
+            rank = torch.where(step.accept, k, rank)
+            inner_taken = torch.where(step.accept, step.probability, inner_taken)
+            if inner_relaxed is not None:
+                inner_relaxed = inner_relaxed | step.relaxed
             searching = searching & ~step.accept
-        last, last_live = candidates(inner, tree.branching - 1)
-        inner_end, _ = after_rejection(p_k, q_k, last, searching & last_live)
+        inner_end, _ = after_rejection(p_k, q_k, cand[..., -1], searching & cand_live[..., -1])
+        chosen[:, inner] = torch.where(rank >= 0, kids.expand(batch, -1, -1).gather(
+            2, rank.clamp_min(0)[..., None]).squeeze(-1), -1)
+        taken[:, inner] = inner_taken
+        if relaxed is not None:
+            relaxed[:, inner] = inner_relaxed
 
     edge = torch.ones(batch, size, dtype=torch.bool, device=p.device)
-    edge[:, 1:] = chosen.gather(1, tree.parent[1:].expand(batch, -1)) == nodes[1:]
-    on_path = ~((~edge)[:, None, :] & tree.ancestors[None]).any(-1)
+    edge[:, 1:] = chosen[:, tree.parent[1:]] == torch.arange(1, size, device=p.device)
+    on_path = ~((~edge)[:, None, :] & tree.ancestors).any(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
     accepted = tree.depth[deepest]
     path = tree.route[deepest]
 
-    tested_at_end = first.probability.gather(1, deepest[:, None]).squeeze(1).isfinite()
-    p_end = p[rows.squeeze(1), deepest]
-    q_end = q_slots[rows.squeeze(1), child_slot[deepest]]
-    end = torch.where(tested_at_end[:, None], residual(p_end, q_end), p_end)
+    tested_at_end = live[rows, deepest]
+    p_end = p[rows, deepest]
+    end = torch.where(tested_at_end[:, None], residual(p_end, q_slots[rows, child_slot[deepest]]),
+                      p_end)
     if inner_end is not None:
         at_inner = tree.inner_index[deepest]
-        end = torch.where((at_inner >= 0)[:, None],
-                          inner_end[rows.squeeze(1), at_inner.clamp_min(0)], end)
+        end = torch.where((at_inner >= 0)[:, None], inner_end[rows, at_inner.clamp_min(0)], end)
     final_token = sample(end, final_uniform)
 
-    offsets = torch.arange(window, device=p.device)
-    next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
+    offsets = torch.arange(tree.window, device=p.device)
     before_end = offsets < accepted[:, None]
+    next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
     tokens = torch.where(offsets == accepted[:, None], final_token[:, None],
                          node_tokens.gather(1, next_nodes))
     final_kind = torch.where(tested_at_end, RESIDUAL, BONUS)
-    kinds = torch.where(before_end, torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED),
-                        final_kind[:, None])
-    probability = torch.where(before_end, taken.gather(1, path), first.probability.gather(1, path))
+    accepted_kind = (ACCEPTED if relaxed is None
+                     else torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED))
+    kinds = torch.where(before_end, accepted_kind, final_kind[:, None])
+    probability = torch.where(before_end | tested_at_end[:, None], taken.gather(1, path),
+                              float("nan"))
     return Verdict(path, accepted, tokens, kinds, probability)
