@@ -79,10 +79,10 @@ CORPUS = ["Generate an image of 512x512 according to the following prompt:\n",
 # =============================================================================== Chameleon family
 # Lumina-mGPT and Anole share the Chameleon vocabulary layout: ids 4.. are IMGIMG image tokens,
 # 8196 <eoss>, 8197 <racm3:break>, then <reserved{id - 4:05d}> names (8710 end of turn, 8803 row
-# end, 8804 + n size tokens). The tiny vocabulary keeps those ids but only CHAMELEON_CODES image
+# end, 8804 + n size tokens, n up to 64 for the 2048-pixel side the 1024 checkpoint's demo offers). The tiny vocabulary keeps those ids but only CHAMELEON_CODES image
 # tokens, so the engine runs fast on a CPU.
 CHAMELEON_CODES = 512
-CHAMELEON_TOP_ID = 8804 + 1024 // 32  # the largest size token
+CHAMELEON_TOP_ID = 8804 + 2048 // 32  # the largest size token
 CHAMELEON_VOCAB = 9300
 
 

@@ -7,9 +7,10 @@ Layout of a generated image (token names from the checkpoint's ``vocabulary_map`
   codes followed by ``<reserved08799>`` (row end, id 8803), then ``<eoss>`` (image end, 8196).
   The prompt is BOS + ``"Generate an image of {W}x{H} according to the following prompt:\\n{p}"``
   + ``<reserved08706>`` (end of turn, 8710). Guidance runs a separate unconditional context that
-  starts at the image-start token (no text). Defaults: guidance 3.0, top-k 2000, temperature 1.0.
+  starts at the image-start token (no text). Recipes: see :data:`LUMINA_RECIPES`. Resolutions:
+  the sizes the official demo offers for the checkpoint's trained size (:func:`lumina_resolutions`).
 * Anole: BOS + prompt + end of turn + image start, then 32 x 32 codes with no size or row-end
-  tokens; unconditional context: BOS + image start. Defaults (Chameleon's image options, as in
+  tokens; unconditional context: BOS + image start. Recipe (Chameleon's image options, as in
   Anole's own inference code): guidance 3.0, temperature 0.7, top-p 0.9.
 
 A code ``k`` is the token whose ``IMGIMG...`` name spells ``k`` (id ``k + 4`` in the released
@@ -38,13 +39,48 @@ from .weights import (input_device, load_transformers_model, resolve_device_dtyp
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
-__all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary", "LUMINA", "ANOLE"]
+__all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary",
+           "lumina_resolutions", "resolutions_on_disk", "LUMINA", "ANOLE"]
 
 LUMINA, ANOLE = "lumina-mgpt", "anole"
 PIXELS_PER_CODE = 16
 SIZE_UNIT = 32  # Lumina's size tokens count 32-pixel units
-LUMINA_SIZES = (768, 512, 1024)
+LUMINA_TRAINED_SIZES = (768, 512, 1024)  # the released checkpoints; the first is assumed when unnamed
+MAX_ASPECT_RATIO = 4.0  # the official demo's limit on width / height and height / width
 ANOLE_SIZE = 512
+
+LUMINA_RECIPES = {
+    "inference solver": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=2000,
+        source="Lumina-mGPT lumina_mgpt/inference_solver.py, create_logits_processor defaults"),
+    "README example": SamplingDefaults(
+        guidance=4.0, temperature=1.0, top_k=2000,
+        source="Lumina-mGPT README.md, image generation example"),
+    "gradio demo": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=4000,
+        source="Lumina-mGPT lumina_mgpt/demos/demo_image_generation.py, slider defaults"),
+}
+ANOLE_RECIPES = {
+    "anole inference": SamplingDefaults(
+        guidance=3.0, temperature=0.7, top_k=0, top_p=0.9,
+        source="Anole's inference code (Chameleon's image sampling options)"),
+}
+
+
+def lumina_resolutions(trained: int, unit: int = SIZE_UNIT) -> list[tuple[int, int]]:
+    """(width, height) sizes the official demo offers for a checkpoint trained at ``trained`` px.
+
+    The trained square comes first, then every size of ``unit``-pixel blocks the demo lists: for
+    block widths from the widest down, the block heights from where the next wider width stopped
+    up to the most that fit in the trained square's block count, keeping aspect ratios up to 4:1.
+    """
+    blocks = (trained // unit) ** 2
+    found: list[tuple[int, int]] = []
+    for columns in range(blocks, 0, -1):
+        for rows in range(max(1, blocks // (columns + 1)), blocks // columns + 1):
+            if max(columns, rows) <= MAX_ASPECT_RATIO * min(columns, rows):
+                found.append((columns * unit, rows * unit))
+    return [(trained, trained)] + [size for size in found if size != (trained, trained)]
 PROMPT_TEMPLATE = "Generate an image of {w}x{h} according to the following prompt:\n{prompt}"
 
 # Where the decoder weights may live, relative to the model folder, in the order searched:
@@ -54,7 +90,7 @@ VQGAN_PLACES = (".", "tokenizer", "../chameleon_vqgan", "../ckpts/chameleon/toke
                 "../ckpts/image_tokenizer/chameleon")
 
 
-def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 1024 // SIZE_UNIT + 1) -> dict[str, int]:
+def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 2048 // SIZE_UNIT + 1) -> dict[str, int]:
     """Token names of ids ``0..size-1`` in the released layout, for randomly initialised models.
 
     ``<s> <pad> </s> <unk>``, then ``codes`` ``IMGIMG`` image tokens from id 4 (a name spells its
@@ -128,7 +164,7 @@ class TokenLayout:
     size_ids: dict[int, int]  # 32-pixel units -> size token id
 
     @classmethod
-    def read(cls, vocab: dict[str, int], family: str, sizes: list[int]) -> "TokenLayout":
+    def read(cls, vocab: dict[str, int], family: str, resolutions: list[tuple[int, int]]) -> "TokenLayout":
         """Checks every name the family needs (before any weights load)."""
         from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocabularyMapping
 
@@ -147,20 +183,21 @@ class TokenLayout:
         return cls(code_ids=ids, image_start=token("<racm3:break>"), image_end=token("<eoss>"),
                    end_of_turn=token("<reserved08706>"),
                    row_end=token("<reserved08799>") if lumina else None,
-                   size_ids={n: token(f"<reserved{8800 + n:05d}>") for n in {s // SIZE_UNIT for s in sizes}}
+                   size_ids={n: token(f"<reserved{8800 + n:05d}>")
+                             for n in sorted({side // SIZE_UNIT for size in resolutions for side in size})}
                    if lumina else {})
 
 
 class ChameleonImageModel:
     """Lumina-mGPT or Anole behind the :class:`~sjd_core.models.protocol.ImageTokenModel` protocol."""
 
-    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder, sizes: list[int],
-                 layout: TokenLayout) -> None:
+    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder,
+                 resolutions: list[tuple[int, int]], layout: TokenLayout) -> None:
         self.family = family
         self.model = model
         self.tokenizer = tokenizer
         self.vqgan = vqgan
-        self._sizes = sizes
+        self._resolutions = list(resolutions)
         self.codebook_size = len(layout.code_ids)
         self.device = input_device(model)
         self.code_ids = layout.code_ids.to(self.device)
@@ -170,15 +207,13 @@ class ChameleonImageModel:
         self.image_start_id, self.image_end_id = layout.image_start, layout.image_end
         self.end_of_turn_id, self.row_end_id = layout.end_of_turn, layout.row_end
         self._size_ids = layout.size_ids
-        if family == LUMINA:
-            self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2000)
-        else:
-            self.defaults = SamplingDefaults(guidance=3.0, temperature=0.7, top_k=0, top_p=0.9)
+        self.recipes = LUMINA_RECIPES if family == LUMINA else ANOLE_RECIPES
+        self.defaults = next(iter(self.recipes.values()))
 
     # ----------------------------------------------------------------------------- layout
     def supported_resolutions(self) -> list[tuple[int, int]]:
-        """Square sizes, the checkpoint's own first."""
-        return [(s, s) for s in self._sizes]
+        """The official sizes, the checkpoint's trained square first."""
+        return list(self._resolutions)
 
     def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
         width, height = resolution if resolution is not None else self.supported_resolutions()[0]
@@ -261,11 +296,15 @@ class ChameleonImageModel:
         return to_images(pixels, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 
 
-def _trained_sizes(folder: Path) -> list[int]:
+def trained_size(folder: Path) -> int:
     """Lumina-mGPT checkpoints are named after their training size (``Lumina-mGPT-7B-768``)."""
     found = [int(m) for m in re.findall(r"(?<!\d)(512|768|1024)(?!\d)", folder.name)]
-    first = found[-1] if found else LUMINA_SIZES[0]
-    return [first] + [s for s in LUMINA_SIZES if s != first]
+    return found[-1] if found else LUMINA_TRAINED_SIZES[0]
+
+
+def resolutions_on_disk(folder: Path) -> list[tuple[int, int]]:
+    """The sizes a Lumina-mGPT or Anole folder supports, from its name alone (no weights read)."""
+    return lumina_resolutions(trained_size(folder)) if _is_lumina(folder) else [(ANOLE_SIZE, ANOLE_SIZE)]
 
 
 def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None) -> ChameleonImageModel:
@@ -275,8 +314,8 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     family = family or (LUMINA if _is_lumina(folder) else ANOLE)
     dev, dtype = resolve_device_dtype(device, dtype)
     config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
-    sizes = _trained_sizes(folder) if family == LUMINA else [ANOLE_SIZE]
-    layout = TokenLayout.read(config.vocabulary_map or {}, family, sizes)
+    resolutions = lumina_resolutions(trained_size(folder)) if family == LUMINA else [(ANOLE_SIZE, ANOLE_SIZE)]
+    layout = TokenLayout.read(config.vocabulary_map or {}, family, resolutions)
     tokenizer = load_tokenizer(folder, family)
     yaml_file, ckpt_file = find_vqgan(folder)
     files = safetensors_files(folder)
@@ -285,7 +324,7 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
                                     device_map=device_map, convert=convert)
     vqgan = vqgan.to(input_device(model))
-    return ChameleonImageModel(family, model, tokenizer, vqgan, sizes, layout)
+    return ChameleonImageModel(family, model, tokenizer, vqgan, resolutions, layout)
 
 
 _EXPECTS = ("config.json (model_type 'chameleon'{}), model.safetensors or shards + "

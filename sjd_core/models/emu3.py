@@ -61,7 +61,10 @@ class Emu3Model:
     """Emu3-Gen behind the adapter protocol (see the module docstring for the recipe)."""
 
     family = "emu3"
-    defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2048)
+    recipes = {"official example": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=2048,
+        source="BAAI/Emu3 README, image generation example (classifier-free guidance 3.0, top-k 2048)")}
+    defaults = recipes["official example"]
 
     def __init__(self, model, tokenizer, image_area: int = DEFAULT_IMAGE_AREA,
                  image_mean: list[float] | None = None, image_std: list[float] | None = None) -> None:

@@ -35,7 +35,10 @@ class JanusModel:
     """Janus-Pro behind the adapter protocol (see the module docstring for the recipe)."""
 
     family = "janus"
-    defaults = SamplingDefaults(guidance=5.0, temperature=1.0, top_k=0)
+    recipes = {"official example": SamplingDefaults(
+        guidance=5.0, temperature=1.0, top_k=0,
+        source="deepseek-ai/Janus generation_inference.py defaults (cfg_weight 5, temperature 1)")}
+    defaults = recipes["official example"]
 
     def __init__(self, model, tokenizer, bos_id: int, image_start_id: int, pad_id: int,
                  image_mean: list[float] | None = None, image_std: list[float] | None = None) -> None:

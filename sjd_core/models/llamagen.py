@@ -51,6 +51,27 @@ from .weights import input_device, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
+# GETTING_STARTED.md's FID sampling commands: --cfg-scale per class-conditional GPT, by model width
+# (GPT-B 768, GPT-L 1024, GPT-XL 1280, GPT-XXL 1536, GPT-3B 3200)
+EVALUATION_GUIDANCE = {768: 2.0, 1024: 2.0, 1280: 1.75, 1536: 1.75, 3200: 1.65}
+
+
+def llamagen_recipes(spec: LlamaGenSpec) -> dict[str, SamplingDefaults]:
+    """The official recipes of a LlamaGen GPT: its sample script first, then (c2i of a published
+    size) the FID evaluation setting."""
+    if spec.kind == "t2i":
+        return {"sample script": SamplingDefaults(
+            guidance=7.5, temperature=1.0, top_k=1000,
+            source="LlamaGen autoregressive/sample/sample_t2i.py defaults")}
+    recipes = {"sample script": SamplingDefaults(
+        guidance=4.0, temperature=1.0, top_k=2000,
+        source="LlamaGen autoregressive/sample/sample_c2i.py defaults")}
+    if spec.dim in EVALUATION_GUIDANCE:
+        recipes["FID evaluation"] = SamplingDefaults(
+            guidance=EVALUATION_GUIDANCE[spec.dim], temperature=1.0, top_k=0,
+            source="LlamaGen GETTING_STARTED.md sampling commands (--cfg-scale of this GPT size) "
+                   "with autoregressive/sample/sample_c2i_ddp.py defaults (no top-k)")
+    return recipes
 _GPT_NAME = re.compile(r"^(c2i|t2i)_.*\.(pt|safetensors)$")
 
 
@@ -66,8 +87,8 @@ class LlamaGenModel:
         self.codebook_size = int(vq.config.num_embeddings)
         side = int(vq.config.num_patches)
         self._grids = {(spec.image_size, spec.image_size): (side, side)}
-        self.defaults = (SamplingDefaults(guidance=4.0, temperature=1.0, top_k=2000) if spec.kind == "c2i"
-                         else SamplingDefaults(guidance=7.5, temperature=1.0, top_k=1000))
+        self.recipes = llamagen_recipes(spec)
+        self.defaults = next(iter(self.recipes.values()))
         self._class_names = self._read_class_names() if spec.kind == "c2i" else {}
         self._t5 = None
 

@@ -69,7 +69,10 @@ class ReferenceModel:
         self.null_token = int(meta["null_class_token"])
         self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
         self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
-        self.defaults = SamplingDefaults(**meta["defaults"])
+        self.recipes = {"trained": SamplingDefaults(
+            **meta["defaults"], source="the reference model's own recipe (reference.json, written by "
+                                       "sjd_core.tools.reference.train)")}
+        self.defaults = self.recipes["trained"]
         config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
         self.network = load_transformers_model(LlamaForCausalLM, config, safetensors_files(folder),
                                                device, dtype, device_map)
