@@ -360,6 +360,9 @@ def test_caption_features_from_a_local_t5_encoder(t2i_folder, tmp_path):
     with torch.no_grad():
         expected = t5(input_ids=torch.tensor([[5, 7, 11]])).last_hidden_state[0]
     torch.testing.assert_close(features, expected)
+    # the official caption cleaning runs first: case, HTML and a URL do not reach T5
+    shouted = model.caption_features(GenerationRequest(prompt="<b>W5 W7</b> W11 https://x.com/a", batch_size=1))[0]
+    torch.testing.assert_close(shouted, expected)
     session = model.start(GenerationRequest(prompt="w5 w7 w11", guidance=7.5))
     assert session.guided
 

@@ -20,7 +20,9 @@ features come from, in order:
    (same leading shape) marking valid tokens; or the path of a ``.safetensors`` file holding
    ``caption_embeddings`` (and optionally ``caption_mask``);
 2. a T5 encoder folder next to the weights (``flan-t5-xl/`` or ``t5-ckpt/flan-t5-xl/``, a
-   transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt``.
+   transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt`` after the
+   official caption cleaning (:func:`~sjd_core.models.llamagen_caption.clean_caption`: lower case,
+   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling.
 
 Anything else is refused with a message saying so. The prompt of a t2i model is not tokenised by
 the GPT itself: there is no text vocabulary in it.
@@ -46,6 +48,7 @@ from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ
                                   build_gpt, build_vq, image_size_from_name, infer_spec,
                                   read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
                                   vq_to_janus)
+from .llamagen_caption import clean_caption
 from .llamagen_modules import LlamaGenTransformer
 from .weights import input_device, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
@@ -154,7 +157,7 @@ class LlamaGenModel:
             return self._given_features(extra, request.batch_size)
         encoder = self._t5_encoder()
         tokenizer, t5 = encoder
-        ids = tokenizer(request.prompt, max_length=self.spec.cond_tokens, truncation=True,
+        ids = tokenizer(clean_caption(request.prompt), max_length=self.spec.cond_tokens, truncation=True,
                         return_tensors="pt")["input_ids"].to(t5.device)
         with torch.no_grad():
             features = t5(input_ids=ids).last_hidden_state[0].float()
