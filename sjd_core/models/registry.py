@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import chameleon, emu3, janus, llamagen, reference
+from . import chameleon, emu3, janus, llamagen, lumina2, reference
 from .protocol import ImageTokenModel
 from .weights import DeviceMap
 
@@ -36,6 +36,7 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
+    Family(lumina2.FAMILY, lumina2.detect, lumina2.build, lumina2.EXPECTS),
     Family(chameleon.LUMINA, chameleon.detect_lumina, chameleon.build_lumina,
            chameleon.EXPECTS_LUMINA),
     Family(chameleon.ANOLE, chameleon.detect_anole, chameleon.build_anole, chameleon.EXPECTS_ANOLE),

@@ -139,7 +139,8 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
                             device: torch.device,
                             dtype: torch.dtype, device_map: DeviceMap = None,
                             convert: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]] | None = None,
-                            keep_float32: tuple[str, ...] = ()) -> nn.Module:
+                            keep_float32: tuple[str, ...] = (),
+                            prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Build ``model_class(config)`` with empty weights and fill it from ``files``, tensor by tensor.
 
     files: safetensors files, or (name, tensor) pairs already at hand (e.g. a weights-only ``.pt``).
@@ -147,6 +148,8 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
     convert: optional (key, tensor) -> iterable of (key, tensor): renames, reshapes or drops
         checkpoint tensors (e.g. Lumina-mGPT's per-shard q/k norms).
     keep_float32: name fragments of parameters that stay float32 whatever ``dtype`` is.
+    prepare: optional change to the empty model before it is filled (e.g. drop a sub-module the
+        pack never runs, whose tensors ``convert`` then skips).
     Missing or unexpected tensors raise ``ValueError`` naming them.
     """
     from accelerate import dispatch_model, init_empty_weights
@@ -155,6 +158,8 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
     config._attn_implementation = "sdpa"
     with init_empty_weights(include_buffers=False):
         model = model_class(config)
+        if prepare is not None:
+            prepare(model)
     model.eval()
     placement = None if device_map is None else _resolve_device_map(model, device_map, dtype)
     offload_dir, offload_index = None, {}
