@@ -35,8 +35,8 @@ from torch import nn
 
 from .family_common import check_codes, encode, load_tokenizer, to_images
 from .hf_session import Context, DecoderParts, HFSession
-from .weights import (input_device, load_transformers_model, resolve_device_dtype,
-                     safetensors_files)
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
@@ -331,12 +331,14 @@ def resolutions_on_disk(folder: Path) -> list[tuple[int, int]]:
     return lumina_resolutions(trained_size(folder)) if _is_lumina(folder) else [(ANOLE_SIZE, ANOLE_SIZE)]
 
 
-def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None) -> ChameleonImageModel:
+def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None,
+          weights: str | None = None) -> ChameleonImageModel:
     """Load a Lumina-mGPT or Anole folder (checks tokenizer, decoder and weights before loading)."""
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
     family = family or (LUMINA if _is_lumina(folder) else ANOLE)
-    dev, dtype = resolve_device_dtype(device, dtype)
+    dev, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, dev, keep=("vqmodel",))
     config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
     resolutions = lumina_resolutions(trained_size(folder)) if family == LUMINA else [(ANOLE_SIZE, ANOLE_SIZE)]
     layout = TokenLayout.read(config.vocabulary_map or {}, family, resolutions)
@@ -346,7 +348,7 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     vqgan = load_vqgan_decoder(yaml_file, ckpt_file, torch.device("cpu"))
     convert = per_head_norms(config.num_attention_heads, config.num_key_value_heads)
     model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
-                                    device_map=device_map, convert=convert)
+                                    device_map=device_map, convert=convert, quantization=quantization)
     vqgan = vqgan.to(input_device(model))
     return ChameleonImageModel(family, model, tokenizer, vqgan, resolutions, layout)
 

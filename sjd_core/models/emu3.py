@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
                             pick_grid, read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
-from .weights import (input_device, load_transformers_model, resolve_device_dtype,
-                     safetensors_files)
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 
 POSITIVE_SUFFIX = " masterpiece, film grained, best quality."
@@ -162,17 +162,18 @@ def detect(path: Path) -> bool:
     return config_model_type(path) == "emu3"
 
 
-def build(path: Path, device=None, dtype=None, device_map=None) -> Emu3Model:
+def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> Emu3Model:
     """Load an Emu3-Gen folder (config, sharded safetensors, tokenizer, processor configs)."""
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, device, keep=("vqmodel",))
     tokenizer = load_tokenizer(path, "Emu3")
     config = Emu3Config.from_pretrained(str(path), local_files_only=True)
     files = safetensors_files(path)
     area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
     model = load_transformers_model(Emu3ForConditionalGeneration, config, files, device, dtype,
-                                    device_map, convert=checkpoint_key)
+                                    device_map, convert=checkpoint_key, quantization=quantization)
     mean, std = image_norm(path)
     return Emu3Model(model, tokenizer, area, mean, std)
 

@@ -50,7 +50,7 @@ from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ
                                   vq_to_janus)
 from .llamagen_caption import clean_caption
 from .llamagen_modules import LlamaGenTransformer
-from .weights import input_device, resolve_device_dtype, safetensors_files
+from .weights import input_device, quantization_config, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
@@ -288,9 +288,10 @@ def detect(path: Path) -> bool:
     return path.is_dir() and ((path / SIDECAR).is_file() or any(_GPT_NAME.match(p.name) for p in path.iterdir()))
 
 
-def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel:
+def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> LlamaGenModel:
     """Load a LlamaGen GPT + VQ pair (``.pt`` read weights-only, or the safetensors conversion)."""
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, device, keep=("cond_embedder",))
     gpt_file, vq_file = _checkpoint_files(path)
     folder = gpt_file.parent
     settings = read_json(folder / SIDECAR)
@@ -306,11 +307,11 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel
     if gpt_file.suffix == ".safetensors":
         files = safetensors_files(folder) if gpt_file.name == GPT_SAFETENSORS else [gpt_file]
         spec = infer_spec(safetensors_shapes(files[0]), size, settings.get("n_head"), str(gpt_file))
-        model = build_gpt(files, spec, size // factor, device, dtype, device_map)
+        model = build_gpt(files, spec, size // factor, device, dtype, device_map, quantization)
     else:
         state = read_state_dict(gpt_file)
         spec = infer_spec(shapes_of(state), size, settings.get("n_head"), str(gpt_file))
-        model = build_gpt(list(state.items()), spec, size // factor, device, dtype, device_map)
+        model = build_gpt(list(state.items()), spec, size // factor, device, dtype, device_map, quantization)
         del state
     vq = build_vq(vq_config, vq_state, input_device(model), dtype)
     return LlamaGenModel(model, vq, spec, folder)

@@ -40,7 +40,8 @@ from .chameleon import (ChameleonImageModel, TokenLayout, extends_vocabulary, lu
 from .family_common import load_tokenizer
 from .movqgan import load_movqgan_decoder
 from .protocol import SamplingDefaults
-from .weights import input_device, load_transformers_model, resolve_device_dtype, safetensors_files
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 
 __all__ = ["FAMILY", "RECIPES", "MOVQGAN_FILES", "MOVQGAN_PLACES", "read_layout", "find_decoder",
            "detect", "build", "resolutions_on_disk", "EXPECTS"]
@@ -127,11 +128,12 @@ def _drop_vq_encoder(model: torch.nn.Module) -> None:
     model.model.vqmodel = None
 
 
-def build(folder: Path, device=None, dtype=None, device_map=None) -> ChameleonImageModel:
+def build(folder: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> ChameleonImageModel:
     """Load a Lumina-mGPT 2.0 folder (tokens, decoder and weight files checked before loading)."""
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
-    dev, dtype = resolve_device_dtype(device, dtype)
+    dev, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, dev)
     config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
     config.vocabulary_map = dict(config.vocabulary_map or {})
     tokenizer = load_tokenizer(folder, FAMILY)
@@ -147,7 +149,8 @@ def build(folder: Path, device=None, dtype=None, device_map=None) -> ChameleonIm
     layout = read_layout(vocab, int(bos), config.vocab_size, decoder.config.n_embed, resolutions)
     convert = _without_vq_encoder(per_head_norms(config.num_attention_heads, config.num_key_value_heads))
     model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
-                                    device_map=device_map, convert=convert, prepare=_drop_vq_encoder)
+                                    device_map=device_map, convert=convert, prepare=_drop_vq_encoder,
+                                    quantization=quantization)
     decoder = decoder.to(input_device(model))
     return ChameleonImageModel(FAMILY, model, tokenizer, decoder, resolutions, layout, RECIPES)
 

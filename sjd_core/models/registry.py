@@ -25,7 +25,7 @@ class Family:
     """A model family the loader can build.
 
     detect: path -> True when the folder (or file) holds this family's checkpoint.
-    build: (path, device=, dtype=, device_map=) -> the loaded model.
+    build: (path, device=, dtype=, device_map=, weights=) -> the loaded model.
     expects: what must be on disk, shown to users when no family matches.
     """
 
@@ -48,20 +48,24 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, device_map: DeviceMap = None) -> ImageTokenModel:
+               dtype: torch.dtype | None = None, device_map: DeviceMap = None,
+               weights: str | None = None) -> ImageTokenModel:
     """Detect the family of the checkpoint at ``path`` and load it.
 
     device: where the whole model goes (default: CUDA when available, else the CPU); ignored when
         ``device_map`` places the modules.
     dtype: compute dtype (default bfloat16 on CUDA, float32 on the CPU).
     device_map: accelerate placement for models larger than one device (see :mod:`.weights`).
+    weights: how weights are stored, one of :data:`~.weights.WEIGHT_FORMATS`: ``"bf16"``,
+        ``"fp16"``, ``"fp32"`` (the same as that dtype) or ``"int8"`` / ``"int4"`` weight-only
+        (torchao; decoding is exact with respect to the quantised model). None: as ``dtype``.
     """
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
     for family in FAMILIES:
         if family.detect(p):
-            return family.build(p, device=device, dtype=dtype, device_map=device_map)
+            return family.build(p, device=device, dtype=dtype, device_map=device_map, weights=weights)
     listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
     raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
                      f"what each expects on disk:\n{listing}")
