@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 __all__ = ["DeviceMap", "resolve_device_dtype", "safetensors_files", "load_transformers_model",
-           "input_device", "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "quantization_config",
+           "input_device", "WEIGHT_FORMATS", "FLOAT_FORMATS", "QUANTIZED_FORMATS", "quantization_config",
            "stored_bytes"]
 
 DeviceMap = str | dict[str, str | int | torch.device] | None
