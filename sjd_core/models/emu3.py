@@ -48,6 +48,24 @@ def grid_for_ratio(width: int, height: int, area: int, pixels_per_code: int) -> 
     return int(round(height * scale / pixels_per_code)), int(round(width * scale / pixels_per_code))
 
 
+def size_grids(area: int, pixels_per_code: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(width, height) -> (rows, columns) for each of Emu3's aspect ratios at ``area``, 1:1 first."""
+    grids: dict[tuple[int, int], tuple[int, int]] = {}
+    for w, h in ASPECT_RATIOS:
+        rows, cols = grid_for_ratio(w, h, area, pixels_per_code)
+        grids.setdefault((cols * pixels_per_code, rows * pixels_per_code), (rows, cols))
+    return grids
+
+
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The sizes an Emu3 folder supports, from its config files alone (no weights read)."""
+    from transformers import Emu3Config
+
+    config = Emu3Config.from_pretrained(str(path), local_files_only=True)
+    area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
+    return list(size_grids(area, 2 ** (len(config.vq_config.channel_multiplier) - 1)))
+
+
 def visual_code_ids(vocabulary_map: dict[str, int]) -> torch.Tensor:
     """Token id of each code, in code order, from ``<|visual token NNNNNN|>`` entries."""
     entries = sorted((int(name[len(VISUAL_PREFIX):-2]), token) for name, token in vocabulary_map.items()
@@ -89,10 +107,7 @@ class Emu3Model:
         self.image_std = image_std or [0.5, 0.5, 0.5]
         vq = model.model.vqmodel
         self.pixels_per_code = int(vq.spatial_scale_factor)
-        self._grids: dict[tuple[int, int], tuple[int, int]] = {}
-        for w, h in ASPECT_RATIOS:
-            rows, cols = grid_for_ratio(w, h, image_area, self.pixels_per_code)
-            self._grids.setdefault((cols * self.pixels_per_code, rows * self.pixels_per_code), (rows, cols))
+        self._grids = size_grids(image_area, self.pixels_per_code)
 
     # ------------------------------------------------------------------ layout
     def supported_resolutions(self) -> list[tuple[int, int]]:

@@ -115,6 +115,15 @@ def _token_id(tokenizer, token: str, where: str) -> int:
     return int(token_id)
 
 
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The one size a Janus-Pro folder draws, from config.json alone (no weights read)."""
+    from transformers import JanusConfig
+
+    vq = JanusConfig.from_pretrained(str(path), local_files_only=True).vq_config
+    pixels = int(vq.num_patches) * 2 ** (len(vq.channel_multiplier) - 1)
+    return [(pixels, pixels)]
+
+
 def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> JanusModel:
     """Load a Janus-Pro folder (config, safetensors, tokenizer, generation and processor configs)."""
     from transformers import JanusConfig, JanusForConditionalGeneration

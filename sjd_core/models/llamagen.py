@@ -288,6 +288,16 @@ def detect(path: Path) -> bool:
     return path.is_dir() and ((path / SIDECAR).is_file() or any(_GPT_NAME.match(p.name) for p in path.iterdir()))
 
 
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The trained size of a LlamaGen checkpoint, from ``llamagen.json`` or the file name."""
+    gpt_file, _ = _checkpoint_files(path)
+    size = read_json(gpt_file.parent / SIDECAR).get("image_size") or image_size_from_name(gpt_file.name)
+    if size is None:
+        raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
+                         f"its name (such as c2i_L_384.pt): set \"image_size\" in {gpt_file.parent / SIDECAR}.")
+    return [(int(size), int(size))]
+
+
 def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> LlamaGenModel:
     """Load a LlamaGen GPT + VQ pair (``.pt`` read weights-only, or the safetensors conversion)."""
     device, dtype = resolve_device_dtype(device, dtype, weights)

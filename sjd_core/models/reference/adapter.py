@@ -151,6 +151,12 @@ class ReferenceModel:
         return grey[..., None].expand(-1, -1, -1, 3).contiguous().float()
 
 
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The one size a reference model folder draws, from ``reference.json`` (no weights read)."""
+    meta = json.loads((Path(path) / DESCRIPTION).read_text())
+    return [(int(meta["grid"][1]) * int(meta["patch"]), int(meta["grid"][0]) * int(meta["patch"]))]
+
+
 def build(path: Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
           device_map: str | dict | None = None, weights: str | None = None) -> ReferenceModel:
     """The loader's entry point for the ``reference`` family."""
