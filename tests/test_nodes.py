@@ -323,7 +323,7 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 def test_workflows_are_ui_graphs_of_known_nodes():
     folder = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
     files = sorted(folder.glob("*.json"))
-    assert len(files) == 6
+    assert len(files) == 7
     for path in files:
         graph = json.loads(path.read_text())
         ids = {n["id"] for n in graph["nodes"]}

@@ -19,14 +19,18 @@ Which family a folder holds is decided by :mod:`.registry`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import TorchAoConfig
 
 __all__ = ["DeviceMap", "resolve_device_dtype", "safetensors_files", "load_transformers_model",
            "input_device", "WEIGHT_FORMATS", "FLOAT_FORMATS", "QUANTIZED_FORMATS", "quantization_config",
@@ -41,7 +45,8 @@ ALWAYS_FULL_PRECISION = ("lm_head",)  # as transformers' quantizers keep the out
 QUANTIZATION_EXTRA = "pip install torchao  (the pack's optional extra: sjd-autoregressive[quantization])"
 
 
-def quantization_config(weights: str | None, device: torch.device, keep: tuple[str, ...] = ()):
+def quantization_config(weights: str | None, device: torch.device,
+                        keep: tuple[str, ...] = ()) -> "TorchAoConfig | None":
     """transformers' ``TorchAoConfig`` for int8 or int4 weight-only storage on ``device`` (None for
     the other formats).
 
@@ -65,7 +70,8 @@ def quantization_config(weights: str | None, device: torch.device, keep: tuple[s
     elif device.type == "cuda":
         from torchao.quantization import Int4WeightOnlyConfig
 
-        quant_type = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZES[0], int4_packing_format="tile_packed_to_4d")
+        quant_type = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZES[0],
+                                          int4_packing_format="tile_packed_to_4d")
     else:
         from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
 
@@ -73,10 +79,8 @@ def quantization_config(weights: str | None, device: torch.device, keep: tuple[s
     return TorchAoConfig(quant_type=quant_type, modules_to_not_convert=list(ALWAYS_FULL_PRECISION + keep))
 
 
-def _quantize_layer(module: nn.Module, config) -> None:
+def _quantize_layer(module: nn.Module, config: "TorchAoConfig") -> None:
     """Quantise one linear layer in place with ``config.quant_type`` (int4: a group size that fits)."""
-    import dataclasses
-
     from torchao.quantization import quantize_
 
     quant_type = config.quant_type
@@ -227,7 +231,7 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
                             convert: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]] | None = None,
                             keep_float32: tuple[str, ...] = (),
                             prepare: Callable[[nn.Module], None] | None = None,
-                            quantization=None) -> nn.Module:
+                            quantization: "TorchAoConfig | None" = None) -> nn.Module:
     """Build ``model_class(config)`` with empty weights and fill it from ``files``, tensor by tensor.
 
     files: safetensors files, or (name, tensor) pairs already at hand (e.g. a weights-only ``.pt``).
@@ -302,7 +306,8 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
     return model
 
 
-def _layers_to_quantize(model: nn.Module, quantization) -> dict[str, nn.Linear]:
+def _layers_to_quantize(model: nn.Module, quantization: "TorchAoConfig | None"
+                        ) -> dict[str, nn.Linear]:
     """Weight name -> linear layer, for every layer ``quantization`` converts (none without it)."""
     if quantization is None:
         return {}
