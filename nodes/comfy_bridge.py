@@ -42,6 +42,14 @@ def register_models_folder() -> None:
         folder_paths.add_model_folder_path(MODELS_FOLDER, default)
 
 
+def running_server() -> ModuleType | None:
+    """ComfyUI's ``server`` module when it is importable and its ``PromptServer`` runs, else None."""
+    server = _comfy("server")
+    if server is None or getattr(getattr(server, "PromptServer", None), "instance", None) is None:
+        return None
+    return server
+
+
 def models_folders() -> list[str]:
     """Every folder where users may put checkpoints, existing or not, in search order."""
     folders: list[str] = []

@@ -2,66 +2,36 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from ..sjd_core.models.registry import load_model
-from ..sjd_core.models.reference.adapter import WEIGHTS_DIR
+from ..sjd_core.models.weights import FLOAT_FORMATS, QUANTIZED_FORMATS
 from . import comfy_bridge
 from .handles import MODEL_TYPE, LoadedModel
+from .model_files import REFERENCE, available_models, missing_model_message
 
-REFERENCE = "reference (embedded)"
-WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The `weights` widget took the place (and the values) of the former `dtype` widget, so workflows
+# saved with `dtype` load their choice into it.
+WEIGHTS = ("auto", "bf16", "fp16", "fp32", "int8", "int4")
 MANAGED = "ComfyUI managed"
 SPLIT = "split GPU/CPU (device_map auto)"
 PLACEMENTS = (MANAGED, SPLIT)
 
 
-def available_models() -> dict[str, Path]:
-    """Display name -> path of every checkpoint the user can pick, the embedded model first.
-
-    A checkpoint is a folder (Hugging Face layout) or a single weights file directly inside one of
-    the models folders; the first folder that holds a name wins.
-    """
-    found: dict[str, Path] = {REFERENCE: WEIGHTS_DIR}
-    for folder in comfy_bridge.models_folders():
-        if not os.path.isdir(folder):
-            continue
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name.lower()):
-            if entry.name.startswith("."):
-                continue
-            if entry.is_dir() or entry.name.lower().endswith(WEIGHT_SUFFIXES):
-                found.setdefault(entry.name, Path(entry.path))
-    return found
-
-
-def missing_model_message(name: str) -> str:
-    """What to do when ``name`` is not in any models folder (e.g. a workflow from another machine)."""
-    folders = comfy_bridge.models_folders()
-    checked = ", ".join(f"{f}{'' if os.path.isdir(f) else ' (missing)'}" for f in folders) \
-        or "none registered (outside ComfyUI set SJD_MODELS_DIR)"
-    choices = ", ".join(repr(n) for n in available_models())
-    return (f"SJD Model Loader: model={name!r} was not found in the SJD models folders "
-            f"[{checked}]. Put the checkpoint folder there under that name (the README's "
-            f"'models' section says where each family's weights come from), or add a folder with "
-            f"an 'sjd:' entry in extra_model_paths.yaml, or pick one of: {choices}.")
-
-
 class SJDModelLoader:
     """Loads an autoregressive image model for the SJD sampler."""
 
-    DESCRIPTION = ("Loads an autoregressive text-to-image model (Lumina-mGPT, Emu3, Janus-Pro, "
-                   "LlamaGen, or the small embedded reference model) from the 'sjd' models folder. "
+    DESCRIPTION = ("Loads an autoregressive text-to-image model (Lumina-mGPT 1 and 2, Anole, Emu3, "
+                   "Janus-Pro, LlamaGen, or the small embedded reference model) from the 'sjd' "
+                   "models folder. "
                    "ComfyUI's memory manager offloads and unloads it like its own models.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "load"
     RETURN_TYPES = (MODEL_TYPE, "STRING")
     RETURN_NAMES = ("model", "info")
     OUTPUT_TOOLTIPS = ("The loaded model, for the SJD Sampler.",
-                       "Family, dtype, device and the resolutions this model can draw.")
+                       "Family, weights, device, the resolutions this model can draw and its "
+                       "official sampling recipes.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
@@ -71,10 +41,14 @@ class SJDModelLoader:
                            "folder named 'sjd:' in extra_model_paths.yaml. 'reference "
                            "(embedded)' is a small Fashion-MNIST model shipped with the pack "
                            "that runs anywhere."}),
-            "dtype": (list(DTYPES), {
+            "weights": (list(WEIGHTS), {
                 "default": "auto",
-                "tooltip": "Weight precision. auto follows ComfyUI (bf16 on GPUs that run it "
-                           "well, else fp16 where that works, fp32 on the CPU)."}),
+                "tooltip": "How the weights are stored. auto follows ComfyUI (bf16 on GPUs that "
+                           "run it well, else fp16, fp32 on the CPU). int8 / int4: weight-only "
+                           "quantisation (about 1/2 and 1/4 of the bf16 weight memory, for 8-12 GB "
+                           "GPUs; needs torchao). Decoding stays exact with respect to the "
+                           "quantised model's own distribution, which differs a little from the "
+                           "original's. Quantised models stay where they are loaded."}),
             "placement": (list(PLACEMENTS), {
                 "default": MANAGED,
                 "tooltip": "ComfyUI managed: the whole model on ComfyUI's device, offloaded and "
@@ -89,35 +63,53 @@ class SJDModelLoader:
         # Runs instead of ComfyUI's own list check, so a missing model gets a message that helps.
         return True if model in available_models() else missing_model_message(model)
 
-    def load(self, model: str, dtype: str, placement: str = MANAGED) -> tuple[LoadedModel, str]:
-        """Load ``model`` on ComfyUI's device and wrap it for ComfyUI's memory manager."""
+    def load(self, model: str, weights: str = "auto", placement: str = MANAGED,
+             dtype: str | None = None) -> tuple[LoadedModel, str]:
+        """Load ``model`` on ComfyUI's device and wrap it for ComfyUI's memory manager.
+
+        ``dtype`` is the former name of ``weights`` (prompts saved in the API format name it).
+        """
+        weights = dtype if dtype is not None else weights
         path = available_models().get(model)
         if path is None:
             raise FileNotFoundError(missing_model_message(model))
-        if dtype not in DTYPES:
-            raise ValueError(f"SJD Model Loader: dtype={dtype!r} is not allowed: pick one of "
-                             f"{list(DTYPES)}.")
+        if weights not in WEIGHTS:
+            raise ValueError(f"SJD Model Loader: weights={weights!r} is not allowed: pick one of "
+                             f"{list(WEIGHTS)}.")
         if placement not in PLACEMENTS:
             raise ValueError(f"SJD Model Loader: placement={placement!r} is not allowed: pick "
                              f"one of {list(PLACEMENTS)}.")
         device = comfy_bridge.torch_device()
-        torch_dtype = DTYPES[dtype] or comfy_bridge.auto_dtype(device)
+        quantized = weights in QUANTIZED_FORMATS
+        torch_dtype = FLOAT_FORMATS.get(weights) or comfy_bridge.auto_dtype(device)
+        if quantized and device.type == "cuda" and weights == "int4":
+            torch_dtype = torch.bfloat16  # torchao's CUDA int4 kernels compute in bfloat16
         split = placement == SPLIT and device.type != "cpu"
         try:
             adapter = load_model(path, device=device, dtype=torch_dtype,
-                                 device_map="auto" if split else None)
-        except (FileNotFoundError, ValueError) as error:
+                                 device_map="auto" if split else None,
+                                 weights=weights if quantized else None)
+        except (FileNotFoundError, ValueError, ImportError) as error:
             raise type(error)(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
-        patcher = None if split else \
+        # quantised tensors are not moved between devices by ComfyUI: they stay where loaded
+        patcher = None if split or quantized else \
             comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)
         loaded = LoadedModel(adapter, patcher, model, torch_dtype)
-        resolutions = ", ".join(f"{w}x{h}" for w, h in adapter.supported_resolutions())
-        where = "split over GPU/CPU/disk" if split else str(device)
-        info = (f"{model}: family {adapter.family}, {str(torch_dtype).removeprefix('torch.')} on "
-                f"{where}; resolutions {resolutions} (first = default); family recipe: "
-                f"guidance {adapter.defaults.guidance}, temperature {adapter.defaults.temperature},"
-                f" top-k {adapter.defaults.top_k}, top-p {adapter.defaults.top_p}")
-        return loaded, info
+        return loaded, info_text(model, adapter, weights, torch_dtype,
+                                 "split over GPU/CPU/disk" if split else str(device))
+
+
+def info_text(model: str, adapter, weights: str, dtype: torch.dtype, where: str) -> str:
+    """The loader's ``info`` output: family, storage, device, resolutions, recipes with sources."""
+    compute = str(dtype).removeprefix("torch.")
+    storage = f"{weights} weights computing in {compute}" if weights in QUANTIZED_FORMATS else compute
+    resolutions = ", ".join(f"{w}x{h}" for w, h in adapter.supported_resolutions())
+    recipes = "; ".join(
+        f"{name}{' (default)' if i == 0 else ''}: guidance {r.guidance}, temperature {r.temperature}, "
+        f"top-k {r.top_k}, top-p {r.top_p} [{r.source}]"
+        for i, (name, r) in enumerate(adapter.recipes.items()))
+    return (f"{model}: family {adapter.family}, {storage} on {where}; resolutions {resolutions} "
+            f"(first = default); official recipes: {recipes}")
 
 
 def _torch_modules(adapter: object) -> torch.nn.Module:

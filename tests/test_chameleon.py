@@ -84,8 +84,37 @@ def test_lumina_prompt_and_structural_tokens(lumina):
     assert torch.equal(lumina.code_ids.cpu(), torch.arange(CHAMELEON_CODES) + 4)  # code = id - 4
     assert lumina.defaults.guidance == 3.0 and lumina.defaults.top_k == 2000
     assert lumina.defaults.temperature == 1.0
+    recipes = {name: (r.guidance, r.top_k, r.temperature) for name, r in lumina.recipes.items()}
+    assert recipes == {"inference solver": (3.0, 2000, 1.0), "README example": (4.0, 2000, 1.0),
+                       "gradio demo": (3.0, 4000, 1.0)}
+    assert lumina.defaults is next(iter(lumina.recipes.values()))
+    assert all("Lumina-mGPT" in r.source for r in lumina.recipes.values())
     assert lumina.supported_resolutions()[0] == (512, 512)  # the checkpoint's trained size first
-    assert lumina.grid_for((768, 768)) == (48, 48)
+    assert lumina.grid_for((1024, 256)) == (16, 64)
+    assert lumina.image_prefix((1024, 256)) == [8197, 8804 + 8, 8804 + 32]
+
+
+# The output of generate_crop_size_list((512 // 32) ** 2, 32) from Alpha-VLLM/Lumina-mGPT,
+# lumina_mgpt/data/item_processor.py: the resolution choices of lumina_mgpt/demos/
+# demo_image_generation.py for --target_size 512 (run on the official function).
+OFFICIAL_512 = (
+    "1024x256 992x256 960x256 928x256 896x256 896x288 864x288 832x288 800x288 800x320 768x320 "
+    "736x320 736x352 704x352 672x352 672x384 640x384 608x384 608x416 576x416 576x448 544x448 "
+    "544x480 512x480 512x512 480x512 480x544 448x544 448x576 416x576 416x608 384x608 384x640 "
+    "384x672 352x672 352x704 352x736 320x736 320x768 320x800 288x800 288x832 288x864 288x896 "
+    "256x896 256x928 256x960 256x992 256x1024").split()
+
+
+def test_lumina_offers_the_official_demo_resolutions(lumina):
+    from sjd_core.models.chameleon import lumina_resolutions
+
+    offered = [f"{w}x{h}" for w, h in lumina.supported_resolutions()]
+    assert offered == ["512x512"] + [size for size in OFFICIAL_512 if size != "512x512"]
+    # counts of the official lists at the other trained sizes (73 and 97 entries), square first
+    for trained, count, widest in ((768, 73, (1536, 384)), (1024, 97, (2048, 512))):
+        sizes = lumina_resolutions(trained)
+        assert len(sizes) == count and sizes[0] == (trained, trained) and sizes[1] == widest
+        assert len(set(sizes)) == count
 
 
 def test_anole_prompt_and_layout(anole):
@@ -101,8 +130,10 @@ def test_anole_prompt_and_layout(anole):
 
 
 def test_unsupported_resolution_lists_supported(lumina, anole):
-    with pytest.raises(ValueError, match=r"640x480 .*512x512, 768x768, 1024x1024"):
+    with pytest.raises(ValueError, match=r"640x480 .*use one of 512x512, 1024x256, 992x256, .* 256x1024 "):
         lumina.grid_for((640, 480))
+    with pytest.raises(ValueError, match=r"768x768 is not supported by lumina-mgpt"):
+        lumina.grid_for((768, 768))  # another checkpoint's trained size
     with pytest.raises(ValueError, match=r"768x768 .*use one of 512x512"):
         anole.start(GenerationRequest(prompt="x", resolution=(768, 768)))
 

@@ -23,8 +23,8 @@ from sjd_pack.sjd_core.decoding.trace import Trace  # noqa: E402
 
 WORKFLOWS = REPO / "workflows"
 OUR_NODES = {"SJDModelLoader", "SJDSampler", "SJDDecode", "SJDDiagnostics"}
-FAMILY_WORKFLOWS = ("sjd_lumina_mgpt.json", "sjd_emu3.json", "sjd_janus_pro.json",
-                    "sjd_llamagen.json")
+FAMILY_WORKFLOWS = ("sjd_lumina_mgpt.json", "sjd_lumina_mgpt2.json", "sjd_emu3.json",
+                    "sjd_janus_pro.json", "sjd_llamagen.json")
 REFERENCE_CODES = 16 * 16
 
 

@@ -63,6 +63,7 @@ def test_prompt_and_structural_tokens_follow_the_recipe(model):
     assert ids[0] == 151849 and text == "a cat masterpiece, film grained, best quality."
     assert ids[-5:] == [151851] + model.tokenizer("4*4", add_special_tokens=False)["input_ids"] + [151853]
     assert model.defaults.guidance == 3.0 and model.defaults.top_k == 2048 and model.defaults.temperature == 1.0
+    assert model.defaults is next(iter(model.recipes.values())) and "Emu3" in model.defaults.source
     # the session's code embedding is the text embedding of id 151854 + k
     parts = model.parts()
     torch.testing.assert_close(parts.embed_codes(torch.tensor([3])),

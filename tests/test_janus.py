@@ -52,6 +52,7 @@ def test_prompt_and_guidance_rows_follow_the_recipe(model):
     assert model.tokenizer.decode(ids[1:-1]) == "<|User|>: a cat\n\n<|Assistant|>:"
     assert model.unconditional_ids(ids) == [100000] + [100015] * (len(ids) - 2) + [100016]
     assert model.defaults.guidance == 5.0 and model.defaults.top_k == 0 and model.defaults.temperature == 1.0
+    assert model.defaults is next(iter(model.recipes.values())) and "Janus" in model.defaults.source
     assert model.parts().row_end_id is None
 
 

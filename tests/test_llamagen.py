@@ -6,6 +6,7 @@ angles, the conditioning positions' rotation table being all zeros), with the ch
 fused ``wqkv`` weight and complex-number rotation; it shares no code with the adapter.
 """
 
+import dataclasses
 import math
 import shutil
 
@@ -196,6 +197,12 @@ def test_published_sizes_are_inferred_from_tensor_shapes():
 def test_c2i_recipe(c2i):
     assert c2i.spec.kind == "c2i" and c2i.supported_resolutions() == [(8, 8)]
     assert (c2i.defaults.guidance, c2i.defaults.top_k, c2i.defaults.temperature) == (4.0, 2000, 1.0)
+    assert list(c2i.recipes) == ["sample script"]  # the tiny width is no published size
+    assert "sample_c2i.py" in c2i.defaults.source
+    # a published size also gets GETTING_STARTED.md's FID setting (GPT-XL: cfg 1.75, no top-k)
+    xl = llamagen.llamagen_recipes(dataclasses.replace(c2i.spec, dim=1280))
+    assert list(xl) == ["sample script", "FID evaluation"]
+    assert (xl["FID evaluation"].guidance, xl["FID evaluation"].top_k) == (1.75, 0)
     assert c2i.class_index("hen") == 8 and c2i.class_index("Goldfish") == 1
     assert c2i.class_index("Tinca tinca") == 0 and c2i.class_index(" 3 ") == 3
     with pytest.raises(ValueError, match="class index 10 is out of range"):
@@ -353,6 +360,9 @@ def test_caption_features_from_a_local_t5_encoder(t2i_folder, tmp_path):
     with torch.no_grad():
         expected = t5(input_ids=torch.tensor([[5, 7, 11]])).last_hidden_state[0]
     torch.testing.assert_close(features, expected)
+    # the official caption cleaning runs first: case, HTML and a URL do not reach T5
+    shouted = model.caption_features(GenerationRequest(prompt="<b>W5 W7</b> W11 https://x.com/a", batch_size=1))[0]
+    torch.testing.assert_close(shouted, expected)
     session = model.start(GenerationRequest(prompt="w5 w7 w11", guidance=7.5))
     assert session.guided
 

@@ -154,9 +154,27 @@ def test_loader_refuses_a_folder_that_is_no_checkpoint(tmp_path, monkeypatch):
     assert "emu3" in str(error.value)  # lists what each family expects on disk
 
 
-def test_loader_refuses_unknown_dtype():
-    with pytest.raises(ValueError, match=r"dtype='int8' is not allowed.*'auto', 'bf16'"):
-        Loader().load(REFERENCE, "int8")
+def test_loader_refuses_unknown_weights():
+    with pytest.raises(ValueError, match=r"weights='int3' is not allowed.*'auto', 'bf16', 'fp16', 'fp32', 'int8', 'int4'"):
+        Loader().load(REFERENCE, "int3")
+
+
+def test_loader_weights_widget_keeps_saved_dtype_choices():
+    """The `weights` widget sits where `dtype` was and accepts every value `dtype` had."""
+    required = list(Loader.INPUT_TYPES()["required"])
+    assert required == ["model", "weights", "placement"]
+    assert {"auto", "bf16", "fp16", "fp32"} <= set(Loader.INPUT_TYPES()["required"]["weights"][0])
+    loaded, info = Loader().load(REFERENCE, dtype="fp32")  # a call made with the former name
+    assert loaded.dtype == torch.float32 and "family reference, float32 on" in info
+
+
+def test_loader_int8_reference_model(reference):
+    pytest.importorskip("torchao")
+    loaded, info = Loader().load(REFERENCE, "int8")
+    assert loaded.patcher is None and "int8 weights computing in float32" in info
+    plain, _ = reference
+    assert type(plain.model.network.model.layers[0].mlp.up_proj.weight) is torch.nn.Parameter
+    assert type(loaded.model.network.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +187,7 @@ def test_loader_loads_the_embedded_reference_model(reference):
     assert loaded.family == "reference" and loaded.dtype == torch.float32
     assert loaded.patcher is None  # no ComfyUI here, nothing to manage it
     assert "32x32" in info and "family reference" in info
+    assert "official recipes: trained (default): guidance 2.0" in info
 
 
 def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
@@ -304,7 +323,7 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 def test_workflows_are_ui_graphs_of_known_nodes():
     folder = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
     files = sorted(folder.glob("*.json"))
-    assert len(files) == 6
+    assert len(files) == 7
     for path in files:
         graph = json.loads(path.read_text())
         ids = {n["id"] for n in graph["nodes"]}

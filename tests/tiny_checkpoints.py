@@ -79,10 +79,10 @@ CORPUS = ["Generate an image of 512x512 according to the following prompt:\n",
 # =============================================================================== Chameleon family
 # Lumina-mGPT and Anole share the Chameleon vocabulary layout: ids 4.. are IMGIMG image tokens,
 # 8196 <eoss>, 8197 <racm3:break>, then <reserved{id - 4:05d}> names (8710 end of turn, 8803 row
-# end, 8804 + n size tokens). The tiny vocabulary keeps those ids but only CHAMELEON_CODES image
+# end, 8804 + n size tokens, n up to 64 for the 2048-pixel side the 1024 checkpoint's demo offers). The tiny vocabulary keeps those ids but only CHAMELEON_CODES image
 # tokens, so the engine runs fast on a CPU.
 CHAMELEON_CODES = 512
-CHAMELEON_TOP_ID = 8804 + 1024 // 32  # the largest size token
+CHAMELEON_TOP_ID = 8804 + 2048 // 32  # the largest size token
 CHAMELEON_VOCAB = 9300
 
 
@@ -415,3 +415,123 @@ def write_llamagen(folder: Path, kind: str = "c2i", image_size: int = 8, seed: i
                  "hammerhead", "electric ray", "stingray", "cock", "hen", "ostrich, Struthio camelus"]
         (folder / "imagenet_classes.txt").write_text("\n".join(names) + "\n")
     return folder
+
+
+# =============================================================================== Lumina-mGPT 2.0
+# The ids the official code names: BOS/EOS <|endoftext|> 151643 (the tokenizer has no BOS token, so
+# prompts start with its EOS), <racm3:break> 151665, <eoss> 151666, <reserved08796..08799> 151667..
+# 151670, codes from 155000. The end-of-turn and size tokens are looked up by name there; their ids
+# here (151671, 151700 + n) are made up.
+LUMINA2_CODES = 64
+LUMINA2_CODE_OFFSET = 155000
+LUMINA2_SPECIAL = {"<|endoftext|>": 151643, "<racm3:break>": 151665, "<eoss>": 151666,
+                   "<reserved08796>": 151667, "<reserved08797>": 151668, "<reserved08798>": 151669,
+                   "<reserved08799>": 151670, "<reserved08706>": 151671}
+LUMINA2_SPECIAL.update({f"<reserved{8800 + n:05d}>": 151700 + n for n in range(1, 49)})
+
+
+def movqgan_state(ch: int = 32, mult: tuple[int, ...] = (1, 2), res_blocks: int = 1, codes: int = 64,
+                  embed_dim: int = 4, z: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors named and shaped as a MoVQGAN ``MOVQ`` state dict (from its published layout:
+    spatial norms conditioned on the 4-wide code vectors, attention at the coarsest level), with
+    a few encoder tensors riding along as in the release."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+
+    def conv(name, cin, cout, k):
+        sd[name + ".weight"] = torch.randn(cout, cin, k, k, generator=g) / (cin * k * k) ** 0.5
+        sd[name + ".bias"] = 0.05 * torch.randn(cout, generator=g)
+
+    def norm(name, c):  # SpatialNorm: GroupNorm + 1x1 convs from the code vectors
+        sd[name + ".norm_layer.weight"] = 1 + 0.1 * torch.randn(c, generator=g)
+        sd[name + ".norm_layer.bias"] = 0.1 * torch.randn(c, generator=g)
+        conv(name + ".conv_y", embed_dim, c, 1)
+        conv(name + ".conv_b", embed_dim, c, 1)
+
+    def res(name, cin, cout):
+        norm(name + ".norm1", cin)
+        conv(name + ".conv1", cin, cout, 3)
+        norm(name + ".norm2", cout)
+        conv(name + ".conv2", cout, cout, 3)
+        if cin != cout:
+            conv(name + ".nin_shortcut", cin, cout, 1)
+
+    def attn(name, c):
+        norm(name + ".norm", c)
+        for part in ("q", "k", "v", "proj_out"):
+            conv(f"{name}.{part}", c, c, 1)
+
+    top = ch * mult[-1]
+    conv("decoder.conv_in", z, top, 3)
+    res("decoder.mid.block_1", top, top)
+    attn("decoder.mid.attn_1", top)
+    res("decoder.mid.block_2", top, top)
+    c = top
+    for level in reversed(range(len(mult))):
+        for j in range(res_blocks + 1):
+            res(f"decoder.up.{level}.block.{j}", c, ch * mult[level])
+            c = ch * mult[level]
+            if level == len(mult) - 1:
+                attn(f"decoder.up.{level}.attn.{j}", c)
+        if level != 0:
+            conv(f"decoder.up.{level}.upsample.conv", c, c, 3)
+    norm("decoder.norm_out", c)
+    conv("decoder.conv_out", c, 3, 3)
+    conv("post_quant_conv", embed_dim, z, 1)
+    sd["quantize.embedding.weight"] = torch.randn(codes, embed_dim, generator=g)
+    conv("encoder.conv_in", 3, ch, 3)
+    conv("quant_conv", z, embed_dim, 1)
+    return sd
+
+
+def write_lumina2(folder: Path, seed: int = 0, decoder_inside: bool = True) -> Path:
+    """Tiny Lumina-mGPT 2.0: sharded bf16 safetensors with per-shard q/k norms and the stock VQ
+    encoder's tensors, a config whose ``vocabulary_map`` names the codes ``<MOVQGAN_k>``, a
+    byte-level tokenizer with the special tokens at the ids above, and ``movqgan_270M.ckpt``."""
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    special = dict(LUMINA2_SPECIAL)
+    special.update({f"<MOVQGAN_{k:05d}>": LUMINA2_CODE_OFFSET + k for k in range(LUMINA2_CODES)})
+    config = ChameleonConfig(
+        vocab_size=LUMINA2_CODE_OFFSET + LUMINA2_CODES, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16384,
+        vocabulary_map=special, bos_token_id=151643, eos_token_id=151666, pad_token_id=151643,
+        model_parallel_size=2, initializer_range=0.5,
+        vq_config={"embed_dim": 4, "num_embeddings": LUMINA2_CODES, "latent_channels": 4,
+                   "base_channels": 32, "channel_multiplier": [1, 2], "num_res_blocks": 1,
+                   "attn_resolutions": [], "resolution": 32})
+    torch.manual_seed(seed)
+    model = ChameleonForConditionalGeneration(config).eval()
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    heads = config.num_attention_heads
+    for key in [k for k in state if ".q_norm." in k or ".k_norm." in k]:
+        state[key] = state[key][:: heads // 2].clone()  # one row per model-parallel shard
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
+    write_safetensors_shards(state, folder, shards=4)
+    saved = config.to_dict()
+    saved["architectures"] = ["ChameleonXLLMXForConditionalGeneration"]
+    saved["z_loss_weight"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(saved, indent=1))
+    write_sparse_bpe_tokenizer(folder, special, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    if decoder_inside:
+        torch.save(movqgan_state(seed=seed + 1), folder / "movqgan_270M.ckpt")
+    return folder
+
+
+def lumina2_reference(folder: Path):
+    """The stock transformers model with the weights of a tiny Lumina-mGPT 2.0 folder, in float32."""
+    from safetensors.torch import load_file
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    config = ChameleonConfig.from_pretrained(str(folder))
+    model = ChameleonForConditionalGeneration(config).eval()
+    state = {}
+    for f in sorted(folder.glob("model-*.safetensors")):
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+    heads = config.num_attention_heads
+    for key in [k for k in state if ".q_norm." in k or ".k_norm." in k]:
+        state[key] = state[key].repeat_interleave(heads // state[key].shape[0], dim=0)
+    model.load_state_dict(state)
+    return model

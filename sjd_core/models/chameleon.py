@@ -7,9 +7,10 @@ Layout of a generated image (token names from the checkpoint's ``vocabulary_map`
   codes followed by ``<reserved08799>`` (row end, id 8803), then ``<eoss>`` (image end, 8196).
   The prompt is BOS + ``"Generate an image of {W}x{H} according to the following prompt:\\n{p}"``
   + ``<reserved08706>`` (end of turn, 8710). Guidance runs a separate unconditional context that
-  starts at the image-start token (no text). Defaults: guidance 3.0, top-k 2000, temperature 1.0.
+  starts at the image-start token (no text). Recipes: see :data:`LUMINA_RECIPES`. Resolutions:
+  the sizes the official demo offers for the checkpoint's trained size (:func:`lumina_resolutions`).
 * Anole: BOS + prompt + end of turn + image start, then 32 x 32 codes with no size or row-end
-  tokens; unconditional context: BOS + image start. Defaults (Chameleon's image options, as in
+  tokens; unconditional context: BOS + image start. Recipe (Chameleon's image options, as in
   Anole's own inference code): guidance 3.0, temperature 0.7, top-p 0.9.
 
 A code ``k`` is the token whose ``IMGIMG...`` name spells ``k`` (id ``k + 4`` in the released
@@ -30,21 +31,58 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch import nn
 
 from .family_common import check_codes, encode, load_tokenizer, to_images
 from .hf_session import Context, DecoderParts, HFSession
-from .weights import (input_device, load_transformers_model, resolve_device_dtype,
-                     safetensors_files)
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
-__all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary", "LUMINA", "ANOLE"]
+__all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary",
+           "lumina_resolutions", "resolutions_on_disk", "LUMINA", "ANOLE"]
 
 LUMINA, ANOLE = "lumina-mgpt", "anole"
 PIXELS_PER_CODE = 16
 SIZE_UNIT = 32  # Lumina's size tokens count 32-pixel units
-LUMINA_SIZES = (768, 512, 1024)
+LUMINA_TRAINED_SIZES = (768, 512, 1024)  # the released checkpoints; the first is assumed when unnamed
+MAX_ASPECT_RATIO = 4.0  # the official demo's limit on width / height and height / width
 ANOLE_SIZE = 512
+CHAMELEON_VOCAB_SIZE = 65536  # text, VQGAN codes and special tokens of Chameleon, Anole, Lumina-mGPT
+
+LUMINA_RECIPES = {
+    "inference solver": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=2000,
+        source="Lumina-mGPT lumina_mgpt/inference_solver.py, create_logits_processor defaults"),
+    "README example": SamplingDefaults(
+        guidance=4.0, temperature=1.0, top_k=2000,
+        source="Lumina-mGPT README.md, image generation example"),
+    "gradio demo": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=4000,
+        source="Lumina-mGPT lumina_mgpt/demos/demo_image_generation.py, slider defaults"),
+}
+ANOLE_RECIPES = {
+    "anole inference": SamplingDefaults(
+        guidance=3.0, temperature=0.7, top_k=0, top_p=0.9,
+        source="Anole's inference code (Chameleon's image sampling options)"),
+}
+
+
+def lumina_resolutions(trained: int, unit: int = SIZE_UNIT) -> list[tuple[int, int]]:
+    """(width, height) sizes the official demo offers for a checkpoint trained at ``trained`` px.
+
+    The trained square comes first, then every size of ``unit``-pixel blocks the demo lists: for
+    block widths from the widest down, the block heights from where the next wider width stopped
+    up to the most that fit in the trained square's block count, keeping aspect ratios up to 4:1.
+    """
+    blocks = (trained // unit) ** 2
+    found: list[tuple[int, int]] = []
+    for columns in range(blocks, 0, -1):
+        for rows in range(max(1, blocks // (columns + 1)), blocks // columns + 1):
+            if max(columns, rows) <= MAX_ASPECT_RATIO * min(columns, rows):
+                found.append((columns * unit, rows * unit))
+    return [(trained, trained)] + [size for size in found if size != (trained, trained)]
 PROMPT_TEMPLATE = "Generate an image of {w}x{h} according to the following prompt:\n{prompt}"
 
 # Where the decoder weights may live, relative to the model folder, in the order searched:
@@ -54,7 +92,7 @@ VQGAN_PLACES = (".", "tokenizer", "../chameleon_vqgan", "../ckpts/chameleon/toke
                 "../ckpts/image_tokenizer/chameleon")
 
 
-def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 1024 // SIZE_UNIT + 1) -> dict[str, int]:
+def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 2048 // SIZE_UNIT + 1) -> dict[str, int]:
     """Token names of ids ``0..size-1`` in the released layout, for randomly initialised models.
 
     ``<s> <pad> </s> <unk>``, then ``codes`` ``IMGIMG`` image tokens from id 4 (a name spells its
@@ -86,25 +124,34 @@ def find_vqgan(folder: Path) -> tuple[Path, Path]:
         + f"\nThe simplest is to copy both files into {folder}.")
 
 
-def _config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
+    """``folder/config.json`` as a dict ({} when it is missing or unreadable)."""
     try:
         return json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _is_chameleon(folder: Path) -> bool:
-    return folder.is_dir() and _config(folder).get("model_type") == "chameleon"
+def is_chameleon(folder: Path) -> bool:
+    """A folder whose config.json has ``model_type`` 'chameleon'."""
+    return folder.is_dir() and read_config(folder).get("model_type") == "chameleon"
+
+
+def extends_vocabulary(folder: Path) -> bool:
+    """A Chameleon config with more than Chameleon's 65,536 tokens: Lumina-mGPT 2.0's vocabulary,
+    which puts its MoVQGAN codes after a larger text vocabulary."""
+    return is_chameleon(folder) and int(read_config(folder).get("vocab_size") or 0) > CHAMELEON_VOCAB_SIZE
 
 
 def _is_lumina(folder: Path) -> bool:
     """Lumina-mGPT configs come from its training class (z-loss weight, XLLMX architecture)."""
-    cfg = _config(folder)
+    cfg = read_config(folder)
     archs = " ".join(cfg.get("architectures") or [])
-    return _is_chameleon(folder) and ("z_loss_weight" in cfg or "XLLMX" in archs)
+    return (is_chameleon(folder) and ("z_loss_weight" in cfg or "XLLMX" in archs)
+            and not extends_vocabulary(folder))
 
 
-def _per_head_norms(num_heads: int, num_kv_heads: int):
+def per_head_norms(num_heads: int, num_kv_heads: int):
     """Checkpoint converter: expand (shards, head_dim) q/k-norm tensors to (heads, head_dim)."""
     def convert(key: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         heads = num_heads if ".q_norm." in key else num_kv_heads if ".k_norm." in key else None
@@ -118,7 +165,11 @@ def _per_head_norms(num_heads: int, num_kv_heads: int):
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """The token ids a family's prompts and images use, read from ``vocabulary_map``."""
+    """The token ids a family's prompts and images use, read from its vocabulary.
+
+    With ``size_ids`` (Lumina-mGPT 1 and 2) the prompt follows the size template and the
+    unconditional context is the image prefix alone; without (Anole) it is BOS + image start.
+    """
 
     code_ids: torch.Tensor  # (codebook,) token id of each code
     image_start: int
@@ -126,10 +177,12 @@ class TokenLayout:
     end_of_turn: int
     row_end: int | None
     size_ids: dict[int, int]  # 32-pixel units -> size token id
+    bos: int | None = None  # None: the model config's bos_token_id
+    pixels_per_code: int = PIXELS_PER_CODE
 
     @classmethod
-    def read(cls, vocab: dict[str, int], family: str, sizes: list[int]) -> "TokenLayout":
-        """Checks every name the family needs (before any weights load)."""
+    def read(cls, vocab: dict[str, int], family: str, resolutions: list[tuple[int, int]]) -> "TokenLayout":
+        """Checks every name Lumina-mGPT or Anole needs (before any weights load)."""
         from transformers.models.chameleon.modeling_chameleon import ChameleonImageVocabularyMapping
 
         bpe2img = ChameleonImageVocabularyMapping(vocab).bpe2img
@@ -147,38 +200,44 @@ class TokenLayout:
         return cls(code_ids=ids, image_start=token("<racm3:break>"), image_end=token("<eoss>"),
                    end_of_turn=token("<reserved08706>"),
                    row_end=token("<reserved08799>") if lumina else None,
-                   size_ids={n: token(f"<reserved{8800 + n:05d}>") for n in {s // SIZE_UNIT for s in sizes}}
+                   size_ids={n: token(f"<reserved{8800 + n:05d}>")
+                             for n in sorted({side // SIZE_UNIT for size in resolutions for side in size})}
                    if lumina else {})
 
 
 class ChameleonImageModel:
-    """Lumina-mGPT or Anole behind the :class:`~sjd_core.models.protocol.ImageTokenModel` protocol."""
+    """A Chameleon-architecture family behind the :class:`~sjd_core.models.protocol.ImageTokenModel`
+    protocol: Lumina-mGPT, Anole, and (with a MoVQGAN decoder) Lumina-mGPT 2.0.
 
-    def __init__(self, family: str, model, tokenizer, vqgan: VQGANDecoder, sizes: list[int],
-                 layout: TokenLayout) -> None:
+    vqgan: the image decoder, codes (B, H, W) -> pixels in [-1, 1], with its codebook in
+        ``quantize.embedding`` (a :class:`VQGANDecoder` or a MoVQGAN decoder).
+    """
+
+    def __init__(self, family: str, model, tokenizer, vqgan: nn.Module,
+                 resolutions: list[tuple[int, int]], layout: TokenLayout,
+                 recipes: dict[str, SamplingDefaults] | None = None) -> None:
         self.family = family
         self.model = model
         self.tokenizer = tokenizer
         self.vqgan = vqgan
-        self._sizes = sizes
+        self._resolutions = list(resolutions)
+        self._pixels_per_code = layout.pixels_per_code
         self.codebook_size = len(layout.code_ids)
         self.device = input_device(model)
         self.code_ids = layout.code_ids.to(self.device)
         ids = layout.code_ids
         self._contiguous = bool((ids == ids[0] + torch.arange(len(ids))).all())
-        self.bos_id = int(model.config.bos_token_id)
+        self.bos_id = int(model.config.bos_token_id if layout.bos is None else layout.bos)
         self.image_start_id, self.image_end_id = layout.image_start, layout.image_end
         self.end_of_turn_id, self.row_end_id = layout.end_of_turn, layout.row_end
         self._size_ids = layout.size_ids
-        if family == LUMINA:
-            self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2000)
-        else:
-            self.defaults = SamplingDefaults(guidance=3.0, temperature=0.7, top_k=0, top_p=0.9)
+        self.recipes = recipes or (LUMINA_RECIPES if family == LUMINA else ANOLE_RECIPES)
+        self.defaults = next(iter(self.recipes.values()))
 
     # ----------------------------------------------------------------------------- layout
     def supported_resolutions(self) -> list[tuple[int, int]]:
-        """Square sizes, the checkpoint's own first."""
-        return [(s, s) for s in self._sizes]
+        """The official sizes, the checkpoint's trained square first."""
+        return list(self._resolutions)
 
     def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
         width, height = resolution if resolution is not None else self.supported_resolutions()[0]
@@ -186,17 +245,17 @@ class ChameleonImageModel:
             listing = ", ".join(f"{w}x{h}" for w, h in self.supported_resolutions())
             raise ValueError(f"resolution={width}x{height} is not supported by {self.family}: use one of "
                              f"{listing} (width x height, in pixels).")
-        return height // PIXELS_PER_CODE, width // PIXELS_PER_CODE
+        return height // self._pixels_per_code, width // self._pixels_per_code
 
     def codebook_embeddings(self) -> torch.Tensor:
-        """The VQ codebook vectors (the same codebook the VQGAN decoder reads)."""
+        """The VQ codebook vectors (the same codebook the image decoder reads)."""
         return self.vqgan.quantize.embedding.weight.detach().float()
 
     # ----------------------------------------------------------------------------- prompts
     def prompt_ids(self, prompt: str, resolution: tuple[int, int]) -> list[int]:
         """The conditional context: prompt template, then the image-start (and size) tokens."""
         width, height = resolution
-        if self.family == LUMINA:
+        if self._size_ids:
             text = PROMPT_TEMPLATE.format(w=width, h=height, prompt=prompt)
             return [self.bos_id] + encode(self.tokenizer, text) + [self.end_of_turn_id] + self.image_prefix(resolution)
         return [self.bos_id] + encode(self.tokenizer, prompt) + [self.end_of_turn_id] + self.image_prefix(resolution)
@@ -204,12 +263,12 @@ class ChameleonImageModel:
     def unconditional_ids(self, resolution: tuple[int, int]) -> list[int]:
         """The unconditional context: the image prefix alone (Lumina-mGPT), after BOS (Anole)."""
         prefix = self.image_prefix(resolution)
-        return prefix if self.family == LUMINA else [self.bos_id] + prefix
+        return prefix if self._size_ids else [self.bos_id] + prefix
 
     def image_prefix(self, resolution: tuple[int, int]) -> list[int]:
         """Image start, then (Lumina) the height and width tokens; also the unconditional context."""
         width, height = resolution
-        if self.family == LUMINA:
+        if self._size_ids:
             return [self.image_start_id, self._size_ids[height // SIZE_UNIT], self._size_ids[width // SIZE_UNIT]]
         return [self.image_start_id]
 
@@ -239,7 +298,7 @@ class ChameleonImageModel:
         prompt; otherwise every row uses ``request.prompt``.
         """
         grid = self.grid_for(request.resolution)
-        resolution = (grid[1] * PIXELS_PER_CODE, grid[0] * PIXELS_PER_CODE)
+        resolution = (grid[1] * self._pixels_per_code, grid[0] * self._pixels_per_code)
         prompts = request.extra.get("prompts", [request.prompt] * request.batch_size)
         if (not isinstance(prompts, (list, tuple)) or len(prompts) != request.batch_size
                 or not all(isinstance(p, str) for p in prompts)):
@@ -254,38 +313,44 @@ class ChameleonImageModel:
         return HFSession(self.parts(), cond, uncond, grid)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """(B, H, W) codes -> (B, 16H, 16W, 3) float images in [0, 1] on the CPU."""
+        """(B, H, W) codes -> (B, pixels per code x (H, W), 3) float images in [0, 1] on the CPU."""
         check_codes(self.family, codes, self.codebook_size)
         dev = self.vqgan.post_quant_conv.weight.device
         pixels = self.vqgan(codes.to(dev))
         return to_images(pixels, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 
 
-def _trained_sizes(folder: Path) -> list[int]:
+def trained_size(folder: Path) -> int:
     """Lumina-mGPT checkpoints are named after their training size (``Lumina-mGPT-7B-768``)."""
     found = [int(m) for m in re.findall(r"(?<!\d)(512|768|1024)(?!\d)", folder.name)]
-    first = found[-1] if found else LUMINA_SIZES[0]
-    return [first] + [s for s in LUMINA_SIZES if s != first]
+    return found[-1] if found else LUMINA_TRAINED_SIZES[0]
 
 
-def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None) -> ChameleonImageModel:
+def resolutions_on_disk(folder: Path) -> list[tuple[int, int]]:
+    """The sizes a Lumina-mGPT or Anole folder supports, from its name alone (no weights read)."""
+    return lumina_resolutions(trained_size(folder)) if _is_lumina(folder) else [(ANOLE_SIZE, ANOLE_SIZE)]
+
+
+def build(folder: Path, device=None, dtype=None, device_map=None, family: str | None = None,
+          weights: str | None = None) -> ChameleonImageModel:
     """Load a Lumina-mGPT or Anole folder (checks tokenizer, decoder and weights before loading)."""
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
     family = family or (LUMINA if _is_lumina(folder) else ANOLE)
-    dev, dtype = resolve_device_dtype(device, dtype)
+    dev, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, dev, keep=("vqmodel",))
     config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
-    sizes = _trained_sizes(folder) if family == LUMINA else [ANOLE_SIZE]
-    layout = TokenLayout.read(config.vocabulary_map or {}, family, sizes)
+    resolutions = lumina_resolutions(trained_size(folder)) if family == LUMINA else [(ANOLE_SIZE, ANOLE_SIZE)]
+    layout = TokenLayout.read(config.vocabulary_map or {}, family, resolutions)
     tokenizer = load_tokenizer(folder, family)
     yaml_file, ckpt_file = find_vqgan(folder)
     files = safetensors_files(folder)
     vqgan = load_vqgan_decoder(yaml_file, ckpt_file, torch.device("cpu"))
-    convert = _per_head_norms(config.num_attention_heads, config.num_key_value_heads)
+    convert = per_head_norms(config.num_attention_heads, config.num_key_value_heads)
     model = load_transformers_model(ChameleonForConditionalGeneration, config, files, dev, dtype,
-                                    device_map=device_map, convert=convert)
+                                    device_map=device_map, convert=convert, quantization=quantization)
     vqgan = vqgan.to(input_device(model))
-    return ChameleonImageModel(family, model, tokenizer, vqgan, sizes, layout)
+    return ChameleonImageModel(family, model, tokenizer, vqgan, resolutions, layout)
 
 
 _EXPECTS = ("config.json (model_type 'chameleon'{}), model.safetensors or shards + "
@@ -300,8 +365,8 @@ def detect_lumina(folder: Path) -> bool:
 
 
 def detect_anole(folder: Path) -> bool:
-    """True for a Chameleon checkpoint that is not Lumina-mGPT (Anole)."""
-    return _is_chameleon(folder) and not _is_lumina(folder)
+    """True for a Chameleon checkpoint that is not Lumina-mGPT 1 or 2 (Anole)."""
+    return is_chameleon(folder) and not _is_lumina(folder) and not extends_vocabulary(folder)
 
 
 def build_lumina(folder: Path, **options) -> ChameleonImageModel:

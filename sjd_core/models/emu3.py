@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
                             pick_grid, read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
-from .weights import (input_device, load_transformers_model, resolve_device_dtype,
-                     safetensors_files)
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 
 POSITIVE_SUFFIX = " masterpiece, film grained, best quality."
@@ -48,6 +48,24 @@ def grid_for_ratio(width: int, height: int, area: int, pixels_per_code: int) -> 
     return int(round(height * scale / pixels_per_code)), int(round(width * scale / pixels_per_code))
 
 
+def size_grids(area: int, pixels_per_code: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(width, height) -> (rows, columns) for each of Emu3's aspect ratios at ``area``, 1:1 first."""
+    grids: dict[tuple[int, int], tuple[int, int]] = {}
+    for w, h in ASPECT_RATIOS:
+        rows, cols = grid_for_ratio(w, h, area, pixels_per_code)
+        grids.setdefault((cols * pixels_per_code, rows * pixels_per_code), (rows, cols))
+    return grids
+
+
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The sizes an Emu3 folder supports, from its config files alone (no weights read)."""
+    from transformers import Emu3Config
+
+    config = Emu3Config.from_pretrained(str(path), local_files_only=True)
+    area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
+    return list(size_grids(area, 2 ** (len(config.vq_config.channel_multiplier) - 1)))
+
+
 def visual_code_ids(vocabulary_map: dict[str, int]) -> torch.Tensor:
     """Token id of each code, in code order, from ``<|visual token NNNNNN|>`` entries."""
     entries = sorted((int(name[len(VISUAL_PREFIX):-2]), token) for name, token in vocabulary_map.items()
@@ -61,7 +79,10 @@ class Emu3Model:
     """Emu3-Gen behind the adapter protocol (see the module docstring for the recipe)."""
 
     family = "emu3"
-    defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=2048)
+    recipes = {"official example": SamplingDefaults(
+        guidance=3.0, temperature=1.0, top_k=2048,
+        source="BAAI/Emu3 README, image generation example (classifier-free guidance 3.0, top-k 2048)")}
+    defaults = recipes["official example"]
 
     def __init__(self, model, tokenizer, image_area: int = DEFAULT_IMAGE_AREA,
                  image_mean: list[float] | None = None, image_std: list[float] | None = None) -> None:
@@ -86,10 +107,7 @@ class Emu3Model:
         self.image_std = image_std or [0.5, 0.5, 0.5]
         vq = model.model.vqmodel
         self.pixels_per_code = int(vq.spatial_scale_factor)
-        self._grids: dict[tuple[int, int], tuple[int, int]] = {}
-        for w, h in ASPECT_RATIOS:
-            rows, cols = grid_for_ratio(w, h, image_area, self.pixels_per_code)
-            self._grids.setdefault((cols * self.pixels_per_code, rows * self.pixels_per_code), (rows, cols))
+        self._grids = size_grids(image_area, self.pixels_per_code)
 
     # ------------------------------------------------------------------ layout
     def supported_resolutions(self) -> list[tuple[int, int]]:
@@ -159,17 +177,18 @@ def detect(path: Path) -> bool:
     return config_model_type(path) == "emu3"
 
 
-def build(path: Path, device=None, dtype=None, device_map=None) -> Emu3Model:
+def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> Emu3Model:
     """Load an Emu3-Gen folder (config, sharded safetensors, tokenizer, processor configs)."""
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, device, keep=("vqmodel",))
     tokenizer = load_tokenizer(path, "Emu3")
     config = Emu3Config.from_pretrained(str(path), local_files_only=True)
     files = safetensors_files(path)
     area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
     model = load_transformers_model(Emu3ForConditionalGeneration, config, files, device, dtype,
-                                    device_map, convert=checkpoint_key)
+                                    device_map, convert=checkpoint_key, quantization=quantization)
     mean, std = image_norm(path)
     return Emu3Model(model, tokenizer, area, mean, std)
 

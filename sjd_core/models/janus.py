@@ -22,8 +22,8 @@ import torch
 from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
                             pick_grid, read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
-from .weights import (input_device, load_transformers_model, resolve_device_dtype,
-                     safetensors_files)
+from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                      safetensors_files)
 from .protocol import GenerationRequest, SamplingDefaults
 
 PROMPT_TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"
@@ -35,7 +35,10 @@ class JanusModel:
     """Janus-Pro behind the adapter protocol (see the module docstring for the recipe)."""
 
     family = "janus"
-    defaults = SamplingDefaults(guidance=5.0, temperature=1.0, top_k=0)
+    recipes = {"official example": SamplingDefaults(
+        guidance=5.0, temperature=1.0, top_k=0,
+        source="deepseek-ai/Janus generation_inference.py defaults (cfg_weight 5, temperature 1)")}
+    defaults = recipes["official example"]
 
     def __init__(self, model, tokenizer, bos_id: int, image_start_id: int, pad_id: int,
                  image_mean: list[float] | None = None, image_std: list[float] | None = None) -> None:
@@ -112,11 +115,21 @@ def _token_id(tokenizer, token: str, where: str) -> int:
     return int(token_id)
 
 
-def build(path: Path, device=None, dtype=None, device_map=None) -> JanusModel:
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The one size a Janus-Pro folder draws, from config.json alone (no weights read)."""
+    from transformers import JanusConfig
+
+    vq = JanusConfig.from_pretrained(str(path), local_files_only=True).vq_config
+    pixels = int(vq.num_patches) * 2 ** (len(vq.channel_multiplier) - 1)
+    return [(pixels, pixels)]
+
+
+def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> JanusModel:
     """Load a Janus-Pro folder (config, safetensors, tokenizer, generation and processor configs)."""
     from transformers import JanusConfig, JanusForConditionalGeneration
 
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, device, keep=("vqmodel", "generation_head"))
     tokenizer = load_tokenizer(path, "Janus-Pro")
     config = JanusConfig.from_pretrained(str(path), local_files_only=True)
     generation = read_json(path / "generation_config.json")
@@ -127,7 +140,8 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> JanusModel:
     if bos_id is None:
         bos_id = tokenizer.bos_token_id
     files = safetensors_files(path)
-    model = load_transformers_model(JanusForConditionalGeneration, config, files, device, dtype, device_map)
+    model = load_transformers_model(JanusForConditionalGeneration, config, files, device, dtype, device_map,
+                                    quantization=quantization)
     mean, std = image_norm(path)
     return JanusModel(model, tokenizer, int(bos_id), int(image_start_id), int(pad_id), mean, std)
 

@@ -20,7 +20,9 @@ features come from, in order:
    (same leading shape) marking valid tokens; or the path of a ``.safetensors`` file holding
    ``caption_embeddings`` (and optionally ``caption_mask``);
 2. a T5 encoder folder next to the weights (``flan-t5-xl/`` or ``t5-ckpt/flan-t5-xl/``, a
-   transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt``.
+   transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt`` after the
+   official caption cleaning (:func:`~sjd_core.models.llamagen_caption.clean_caption`: lower case,
+   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling.
 
 Anything else is refused with a message saying so. The prompt of a t2i model is not tokenised by
 the GPT itself: there is no text vocabulary in it.
@@ -46,11 +48,33 @@ from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ
                                   build_gpt, build_vq, image_size_from_name, infer_spec,
                                   read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
                                   vq_to_janus)
+from .llamagen_caption import clean_caption
 from .llamagen_modules import LlamaGenTransformer
-from .weights import input_device, resolve_device_dtype, safetensors_files
+from .weights import input_device, quantization_config, resolve_device_dtype, safetensors_files
 from .protocol import GenerationRequest, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
+# GETTING_STARTED.md's FID sampling commands: --cfg-scale per class-conditional GPT, by model width
+# (GPT-B 768, GPT-L 1024, GPT-XL 1280, GPT-XXL 1536, GPT-3B 3200)
+EVALUATION_GUIDANCE = {768: 2.0, 1024: 2.0, 1280: 1.75, 1536: 1.75, 3200: 1.65}
+
+
+def llamagen_recipes(spec: LlamaGenSpec) -> dict[str, SamplingDefaults]:
+    """The official recipes of a LlamaGen GPT: its sample script first, then (c2i of a published
+    size) the FID evaluation setting."""
+    if spec.kind == "t2i":
+        return {"sample script": SamplingDefaults(
+            guidance=7.5, temperature=1.0, top_k=1000,
+            source="LlamaGen autoregressive/sample/sample_t2i.py defaults")}
+    recipes = {"sample script": SamplingDefaults(
+        guidance=4.0, temperature=1.0, top_k=2000,
+        source="LlamaGen autoregressive/sample/sample_c2i.py defaults")}
+    if spec.dim in EVALUATION_GUIDANCE:
+        recipes["FID evaluation"] = SamplingDefaults(
+            guidance=EVALUATION_GUIDANCE[spec.dim], temperature=1.0, top_k=0,
+            source="LlamaGen GETTING_STARTED.md sampling commands (--cfg-scale of this GPT size) "
+                   "with autoregressive/sample/sample_c2i_ddp.py defaults (no top-k)")
+    return recipes
 _GPT_NAME = re.compile(r"^(c2i|t2i)_.*\.(pt|safetensors)$")
 
 
@@ -66,8 +90,8 @@ class LlamaGenModel:
         self.codebook_size = int(vq.config.num_embeddings)
         side = int(vq.config.num_patches)
         self._grids = {(spec.image_size, spec.image_size): (side, side)}
-        self.defaults = (SamplingDefaults(guidance=4.0, temperature=1.0, top_k=2000) if spec.kind == "c2i"
-                         else SamplingDefaults(guidance=7.5, temperature=1.0, top_k=1000))
+        self.recipes = llamagen_recipes(spec)
+        self.defaults = next(iter(self.recipes.values()))
         self._class_names = self._read_class_names() if spec.kind == "c2i" else {}
         self._t5 = None
 
@@ -133,7 +157,7 @@ class LlamaGenModel:
             return self._given_features(extra, request.batch_size)
         encoder = self._t5_encoder()
         tokenizer, t5 = encoder
-        ids = tokenizer(request.prompt, max_length=self.spec.cond_tokens, truncation=True,
+        ids = tokenizer(clean_caption(request.prompt), max_length=self.spec.cond_tokens, truncation=True,
                         return_tensors="pt")["input_ids"].to(t5.device)
         with torch.no_grad():
             features = t5(input_ids=ids).last_hidden_state[0].float()
@@ -264,9 +288,20 @@ def detect(path: Path) -> bool:
     return path.is_dir() and ((path / SIDECAR).is_file() or any(_GPT_NAME.match(p.name) for p in path.iterdir()))
 
 
-def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel:
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The trained size of a LlamaGen checkpoint, from ``llamagen.json`` or the file name."""
+    gpt_file, _ = _checkpoint_files(path)
+    size = read_json(gpt_file.parent / SIDECAR).get("image_size") or image_size_from_name(gpt_file.name)
+    if size is None:
+        raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
+                         f"its name (such as c2i_L_384.pt): set \"image_size\" in {gpt_file.parent / SIDECAR}.")
+    return [(int(size), int(size))]
+
+
+def build(path: Path, device=None, dtype=None, device_map=None, weights: str | None = None) -> LlamaGenModel:
     """Load a LlamaGen GPT + VQ pair (``.pt`` read weights-only, or the safetensors conversion)."""
-    device, dtype = resolve_device_dtype(device, dtype)
+    device, dtype = resolve_device_dtype(device, dtype, weights)
+    quantization = quantization_config(weights, device, keep=("cond_embedder",))
     gpt_file, vq_file = _checkpoint_files(path)
     folder = gpt_file.parent
     settings = read_json(folder / SIDECAR)
@@ -282,11 +317,11 @@ def build(path: Path, device=None, dtype=None, device_map=None) -> LlamaGenModel
     if gpt_file.suffix == ".safetensors":
         files = safetensors_files(folder) if gpt_file.name == GPT_SAFETENSORS else [gpt_file]
         spec = infer_spec(safetensors_shapes(files[0]), size, settings.get("n_head"), str(gpt_file))
-        model = build_gpt(files, spec, size // factor, device, dtype, device_map)
+        model = build_gpt(files, spec, size // factor, device, dtype, device_map, quantization)
     else:
         state = read_state_dict(gpt_file)
         spec = infer_spec(shapes_of(state), size, settings.get("n_head"), str(gpt_file))
-        model = build_gpt(list(state.items()), spec, size // factor, device, dtype, device_map)
+        model = build_gpt(list(state.items()), spec, size // factor, device, dtype, device_map, quantization)
         del state
     vq = build_vq(vq_config, vq_state, input_device(model), dtype)
     return LlamaGenModel(model, vq, spec, folder)

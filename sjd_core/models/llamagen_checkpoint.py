@@ -229,11 +229,11 @@ def llama_config(spec: LlamaGenSpec, grid_size: int) -> LlamaConfig:
 
 def build_gpt(tensors: Iterable[tuple[str, torch.Tensor]] | list[Path], spec: LlamaGenSpec,
               grid_size: int, device: torch.device, dtype: torch.dtype,
-              device_map: DeviceMap = None) -> LlamaGenTransformer:
+              device_map: DeviceMap = None, quantization=None) -> LlamaGenTransformer:
     """A ready :class:`LlamaGenTransformer` from LlamaGen tensors (a ``.pt`` state dict's items or
     safetensors files), filled one tensor at a time by the shared loader."""
     return load_transformers_model(LlamaGenTransformer, llama_config(spec, grid_size), tensors, device,
-                                   dtype, device_map, convert=tensor_converter(spec))
+                                   dtype, device_map, convert=tensor_converter(spec), quantization=quantization)
 
 
 _VQ_RENAMES = [

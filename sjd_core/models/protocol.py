@@ -31,6 +31,10 @@ and thrown away: ``keep`` with an all-False mask leaves the cache as it was befo
 Capacity: ``GenerationRequest.max_nodes`` is the most nodes the engine will feed in one forward;
 a session may size its caches once, for the prompt, the whole image and that many nodes.
 
+Recipes: official sources often disagree on sampling settings (a sample script, an evaluation
+script, a demo). ``recipes`` maps a name to each official :class:`SamplingDefaults`, the
+default first, each naming its source; ``defaults`` is that first recipe.
+
 Batches shrink: when some images are finished the engine calls ``retain(rows)`` with the batch
 rows that are still decoding; from then on ``batch_size`` is ``len(rows)`` and row ``i`` of every
 tensor means old row ``rows[i]``.
@@ -38,7 +42,7 @@ tensor means old row ``rows[i]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -47,12 +51,17 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """A family's official sampling recipe, used when the user does not override it."""
+    """One official sampling recipe of a family, used when the user does not override it.
+
+    ``source`` names where the numbers come from (a script, demo or document of the official
+    release), so users can tell two official recipes apart.
+    """
 
     guidance: float
     temperature: float
     top_k: int  # 0 = no top-k
     top_p: float = 1.0
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,7 +118,8 @@ class ImageTokenModel(Protocol):
     family: str
     codebook_size: int
     device: torch.device
-    defaults: SamplingDefaults
+    recipes: Mapping[str, SamplingDefaults]  # name -> official recipe, the default first
+    defaults: SamplingDefaults  # the first of ``recipes``
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
         """(width, height) pairs in pixels this model can draw; the first is the default."""

@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-from . import chameleon, emu3, janus, llamagen, reference
+from . import chameleon, emu3, janus, llamagen, lumina2, reference
 from .protocol import ImageTokenModel
 from .weights import DeviceMap
 
-__all__ = ["Family", "FAMILIES", "load_model"]
+__all__ = ["Family", "FAMILIES", "family_of", "load_model", "resolutions_on_disk", "offered_resolutions"]
 
 
 @dataclass(frozen=True)
@@ -25,42 +25,79 @@ class Family:
     """A model family the loader can build.
 
     detect: path -> True when the folder (or file) holds this family's checkpoint.
-    build: (path, device=, dtype=, device_map=) -> the loaded model.
+    build: (path, device=, dtype=, device_map=, weights=) -> the loaded model.
     expects: what must be on disk, shown to users when no family matches.
+    resolutions: path -> the (width, height) sizes the checkpoint draws, the default first, read
+        from its config files without loading any weights.
     """
 
     name: str
     detect: Callable[[Path], bool]
     build: Callable[..., ImageTokenModel]
     expects: str
+    resolutions: Callable[[Path], list[tuple[int, int]]]
 
 
 FAMILIES: tuple[Family, ...] = (
+    Family(lumina2.FAMILY, lumina2.detect, lumina2.build, lumina2.EXPECTS, lumina2.resolutions_on_disk),
     Family(chameleon.LUMINA, chameleon.detect_lumina, chameleon.build_lumina,
-           chameleon.EXPECTS_LUMINA),
-    Family(chameleon.ANOLE, chameleon.detect_anole, chameleon.build_anole, chameleon.EXPECTS_ANOLE),
-    Family("emu3", emu3.detect, emu3.build, emu3.EXPECTS),
-    Family("janus", janus.detect, janus.build, janus.EXPECTS),
-    Family("llamagen", llamagen.detect, llamagen.build, llamagen.EXPECTS),
-    Family(reference.FAMILY, reference.is_reference_folder, reference.build, reference.EXPECTS),
+           chameleon.EXPECTS_LUMINA, chameleon.resolutions_on_disk),
+    Family(chameleon.ANOLE, chameleon.detect_anole, chameleon.build_anole, chameleon.EXPECTS_ANOLE,
+           chameleon.resolutions_on_disk),
+    Family("emu3", emu3.detect, emu3.build, emu3.EXPECTS, emu3.resolutions_on_disk),
+    Family("janus", janus.detect, janus.build, janus.EXPECTS, janus.resolutions_on_disk),
+    Family("llamagen", llamagen.detect, llamagen.build, llamagen.EXPECTS, llamagen.resolutions_on_disk),
+    Family(reference.FAMILY, reference.is_reference_folder, reference.build, reference.EXPECTS,
+           reference.resolutions_on_disk),
 )
 
 
+def family_of(path: str | os.PathLike) -> Family:
+    """The family whose ``detect`` recognises ``path`` first; errors name what each expects."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
+    for family in FAMILIES:
+        if family.detect(p):
+            return family
+    listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
+    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
+                     f"what each expects on disk:\n{listing}")
+
+
+def resolutions_on_disk(path: str | os.PathLike) -> tuple[str, list[tuple[int, int]]]:
+    """(family name, supported sizes) of the checkpoint at ``path``, without loading weights."""
+    family = family_of(path)
+    return family.name, family.resolutions(Path(path).expanduser())
+
+
+def offered_resolutions() -> list[tuple[int, int]]:
+    """Every size a released checkpoint of any family supports, for a node's static size list.
+
+    Lumina-mGPT's sizes at each trained size, Lumina-mGPT 2.0's, Emu3's at its default area,
+    LlamaGen's trained sizes (256, 384, 512), Janus-Pro's 384 and the reference model's 32.
+    """
+    sizes = [(32, 32), (256, 256), (384, 384), (512, 512)]
+    for trained in chameleon.LUMINA_TRAINED_SIZES:
+        sizes += chameleon.lumina_resolutions(trained)
+    sizes += lumina2.resolutions_on_disk(Path("."))
+    sizes += list(emu3.size_grids(emu3.DEFAULT_IMAGE_AREA, 8))
+    return list(dict.fromkeys(sizes))
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, device_map: DeviceMap = None) -> ImageTokenModel:
+               dtype: torch.dtype | None = None, device_map: DeviceMap = None,
+               weights: str | None = None) -> ImageTokenModel:
     """Detect the family of the checkpoint at ``path`` and load it.
 
     device: where the whole model goes (default: CUDA when available, else the CPU); ignored when
         ``device_map`` places the modules.
     dtype: compute dtype (default bfloat16 on CUDA, float32 on the CPU).
     device_map: accelerate placement for models larger than one device (see :mod:`.weights`).
+    weights: how weights are stored, one of :data:`~.weights.WEIGHT_FORMATS`: ``"bf16"``,
+        ``"fp16"``, ``"fp32"`` (the same as that dtype) or ``"int8"`` / ``"int4"`` weight-only
+        (torchao; decoding is exact with respect to the quantised model). None: as ``dtype``.
     """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
-    for family in FAMILIES:
-        if family.detect(p):
-            return family.build(p, device=device, dtype=dtype, device_map=device_map)
-    listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
-    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
-                     f"what each expects on disk:\n{listing}")
+    family = family_of(path)
+    return family.build(Path(path).expanduser(), device=device, dtype=dtype, device_map=device_map,
+                        weights=weights)

@@ -183,7 +183,9 @@ class SyntheticModel(nn.Module):
         torch.random.set_rng_state(generator_state)
         self.device = torch.device(device)
         self.to(self.device).eval()
-        self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0)
+        self.recipes = {"synthetic": SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0,
+                                                      source="the synthetic test model's own setting")}
+        self.defaults = self.recipes["synthetic"]
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
         return [(self.grid[1], self.grid[0])]

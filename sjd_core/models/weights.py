@@ -6,33 +6,123 @@
 * all checkpoint files are checked (present, complete) before anything is loaded, so a bad
   checkpoint fails without leaving a half-loaded model behind;
 * ``device_map`` (``"auto"``, ``"balanced"``, or a dict of module name -> device, ``"cpu"`` or
-  ``"disk"``) hands placement and offloading to accelerate.
+  ``"disk"``) hands placement and offloading to accelerate;
+* ``weights="int8"`` or ``"int4"`` stores the weights of the transformer's linear layers in 8 or 4
+  bits (weight-only: activations, the KV cache and the arithmetic stay in ``dtype``), with torchao's
+  configs carried by transformers' ``TorchAoConfig``. Each layer is quantised on its device right
+  after its weight is filled, so the full-precision model never exists in memory. Embeddings, the
+  output head and the image decoder keep ``dtype``. Decoding is then exact with respect to the
+  quantised model's own distribution, which differs a little from the original's.
 
 Which family a folder holds is decided by :mod:`.registry`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers import TorchAoConfig
+
 __all__ = ["DeviceMap", "resolve_device_dtype", "safetensors_files", "load_transformers_model",
-           "input_device"]
+           "input_device", "WEIGHT_FORMATS", "FLOAT_FORMATS", "QUANTIZED_FORMATS", "quantization_config",
+           "stored_bytes"]
 
 DeviceMap = str | dict[str, str | int | torch.device] | None
+WEIGHT_FORMATS = ("bf16", "fp16", "fp32", "int8", "int4")
+QUANTIZED_FORMATS = ("int8", "int4")
+FLOAT_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INT4_GROUP_SIZES = (128, 64, 32)  # the first that divides a layer's input width is used
+ALWAYS_FULL_PRECISION = ("lm_head",)  # as transformers' quantizers keep the output head
+QUANTIZATION_EXTRA = "pip install torchao  (the pack's optional extra: sjd-autoregressive[quantization])"
 
 
-def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | None
-                         ) -> tuple[torch.device, torch.dtype]:
-    """Default device (CUDA if present) and dtype (bfloat16 on CUDA, float32 elsewhere)."""
+def quantization_config(weights: str | None, device: torch.device,
+                        keep: tuple[str, ...] = ()) -> "TorchAoConfig | None":
+    """transformers' ``TorchAoConfig`` for int8 or int4 weight-only storage on ``device`` (None for
+    the other formats).
+
+    int8: torchao's ``Int8WeightOnlyConfig`` (per-channel scales; CPU and CUDA). int4: groups of
+    128 weights share a scale and zero point; ``Int4WeightOnlyConfig`` with the tile-packed
+    layout on CUDA (bfloat16), torchao's CPU int4 layout elsewhere. ``keep``: module name fragments
+    left in full precision, besides the output head.
+    """
+    if weights not in QUANTIZED_FORMATS:
+        return None  # full-precision formats only set the dtype (resolve_device_dtype)
+    try:
+        import torchao  # noqa: F401
+        from transformers import TorchAoConfig
+    except ImportError as error:
+        raise ImportError(f"weights={weights!r} needs the torchao library, which is not installed: "
+                          f"{QUANTIZATION_EXTRA}; or pick bf16, fp16 or fp32.") from error
+    if weights == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        quant_type = Int8WeightOnlyConfig()
+    elif device.type == "cuda":
+        from torchao.quantization import Int4WeightOnlyConfig
+
+        quant_type = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZES[0],
+                                          int4_packing_format="tile_packed_to_4d")
+    else:
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+
+        quant_type = PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZES[0])
+    return TorchAoConfig(quant_type=quant_type, modules_to_not_convert=list(ALWAYS_FULL_PRECISION + keep))
+
+
+def _quantize_layer(module: nn.Module, config: "TorchAoConfig") -> None:
+    """Quantise one linear layer in place with ``config.quant_type`` (int4: a group size that fits)."""
+    from torchao.quantization import quantize_
+
+    quant_type = config.quant_type
+    if getattr(quant_type, "group_size", None) is not None:  # int4: groups along the input
+        fitting = [g for g in INT4_GROUP_SIZES if module.in_features % g == 0]
+        if not fitting:
+            return  # no group size divides this layer's width: it keeps the compute dtype
+        quant_type = dataclasses.replace(quant_type, group_size=fitting[0])
+    quantize_(module, quant_type)
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes the parameters and buffers of ``module`` occupy, quantised tensors included."""
+    def size(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, name)) for name in names)
+        return t.numel() * t.element_size()
+
+    return sum(size(t) for t in list(module.parameters()) + list(module.buffers()))
+
+
+def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | None,
+                         weights: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """Default device (CUDA if present) and dtype (bfloat16 on CUDA, float32 elsewhere).
+
+    weights: one of :data:`WEIGHT_FORMATS` or None; a float format sets the dtype (and must agree
+    with ``dtype`` when both are given); int4 on CUDA computes in bfloat16, its kernels' dtype.
+    """
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r} is not allowed: use one of {WEIGHT_FORMATS}.")
+    if weights in FLOAT_FORMATS:
+        if dtype is not None and dtype != FLOAT_FORMATS[weights]:
+            raise ValueError(f"weights={weights!r} and dtype={dtype} disagree: give one of them.")
+        dtype = FLOAT_FORMATS[weights]
+    if weights == "int4" and dev.type == "cuda":
+        if dtype not in (None, torch.bfloat16):
+            raise ValueError(f"weights='int4' on CUDA computes in bfloat16 (torchao's int4 kernels); "
+                             f"dtype={dtype} is not allowed with it: leave dtype unset or use int8.")
+        dtype = torch.bfloat16
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -139,7 +229,9 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
                             device: torch.device,
                             dtype: torch.dtype, device_map: DeviceMap = None,
                             convert: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]] | None = None,
-                            keep_float32: tuple[str, ...] = ()) -> nn.Module:
+                            keep_float32: tuple[str, ...] = (),
+                            prepare: Callable[[nn.Module], None] | None = None,
+                            quantization: "TorchAoConfig | None" = None) -> nn.Module:
     """Build ``model_class(config)`` with empty weights and fill it from ``files``, tensor by tensor.
 
     files: safetensors files, or (name, tensor) pairs already at hand (e.g. a weights-only ``.pt``).
@@ -147,6 +239,11 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
     convert: optional (key, tensor) -> iterable of (key, tensor): renames, reshapes or drops
         checkpoint tensors (e.g. Lumina-mGPT's per-shard q/k norms).
     keep_float32: name fragments of parameters that stay float32 whatever ``dtype`` is.
+    prepare: optional change to the empty model before it is filled (e.g. drop a sub-module the
+        pack never runs, whose tensors ``convert`` then skips).
+    quantization: a ``TorchAoConfig`` from :func:`quantization_config`, or None. Its linear layers
+        (except ``modules_to_not_convert``) are quantised as soon as their weight is in place; a
+        ``device_map`` may place them on devices but not on ``"disk"``.
     Missing or unexpected tensors raise ``ValueError`` naming them.
     """
     from accelerate import dispatch_model, init_empty_weights
@@ -155,8 +252,14 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
     config._attn_implementation = "sdpa"
     with init_empty_weights(include_buffers=False):
         model = model_class(config)
+        if prepare is not None:
+            prepare(model)
     model.eval()
     placement = None if device_map is None else _resolve_device_map(model, device_map, dtype)
+    quantized_layers = _layers_to_quantize(model, quantization)
+    if quantized_layers and placement is not None and "disk" in placement.values():
+        raise ValueError("int8 / int4 weights cannot be offloaded to disk: place every module on a "
+                         "device ('cuda:0', 'cpu') in device_map, or load bf16 / fp16 weights.")
     offload_dir, offload_index = None, {}
     if placement is not None and "disk" in placement.values():
         offload_dir = tempfile.mkdtemp(prefix="sjd-offload-")
@@ -183,6 +286,8 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
                 offload_weight(tensor.to(target) if target else tensor, name, offload_dir, offload_index)
             else:
                 set_module_tensor_to_device(model, name, where, value=tensor, dtype=target)
+                if name in quantized_layers:
+                    _quantize_layer(quantized_layers[name], quantization)
             seen.add(name)
     if unexpected:
         raise ValueError(f"The checkpoint holds tensors this model does not have: {sorted(unexpected)[:8]}"
@@ -199,6 +304,16 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
             save_offload_index(offload_index, offload_dir)
         dispatch_model(model, placement, offload_dir=offload_dir)
     return model
+
+
+def _layers_to_quantize(model: nn.Module, quantization: "TorchAoConfig | None"
+                        ) -> dict[str, nn.Linear]:
+    """Weight name -> linear layer, for every layer ``quantization`` converts (none without it)."""
+    if quantization is None:
+        return {}
+    keep = tuple(quantization.modules_to_not_convert or ())
+    return {f"{name}.weight": module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not any(k in name for k in keep)}
 
 
 def _tied(model: nn.Module) -> set[str]:

@@ -23,7 +23,8 @@ import torch
 
 from ..decoding.engine import generate
 from ..decoding.drafting import DraftTree
-from ..models.chameleon import LUMINA, ChameleonImageModel, TokenLayout, synthetic_vocabulary
+from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
+                                synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
 from ..models.vqgan import VQGANConfig, VQGANDecoder
 from ..decoding.settings import AccelerationSettings, SamplingSettings
@@ -81,9 +82,9 @@ def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> Chamele
         set_module_tensor_to_device(model, name, device, value=value)
     model.to(device)
     vqgan = VQGANDecoder(size.vqgan).to(device).eval()
-    sizes = [768, 512, 1024]
-    layout = TokenLayout.read(vocab, LUMINA, sizes)
-    return ChameleonImageModel(LUMINA, model.eval(), _WordTokenizer(), vqgan, sizes, layout)
+    resolutions = lumina_resolutions(768)
+    layout = TokenLayout.read(vocab, LUMINA, resolutions)
+    return ChameleonImageModel(LUMINA, model.eval(), _WordTokenizer(), vqgan, resolutions, layout)
 
 
 def _sync(device: torch.device) -> None:

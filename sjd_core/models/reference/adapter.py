@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..hf_session import Context, DecoderParts, HFSession
-from ..weights import input_device, load_transformers_model, resolve_device_dtype, safetensors_files
+from ..weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
+                       safetensors_files)
 from ..protocol import GenerationRequest, SamplingDefaults
 from . import codebook as cb
 from .prompts import ClassVocabulary
@@ -50,8 +51,10 @@ class ReferenceModel:
     family = FAMILY
 
     def __init__(self, folder: Path | str = WEIGHTS_DIR, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, device_map: str | dict | None = None) -> None:
-        """Load a reference model folder with the loader's shared rules (device, dtype, device_map)."""
+                 dtype: torch.dtype | None = None, device_map: str | dict | None = None,
+                 weights: str | None = None) -> None:
+        """Load a reference model folder with the loader's shared rules (device, dtype, device_map,
+        weights)."""
         folder = Path(folder)
         missing = [name for name in (DESCRIPTION, "config.json", "model.safetensors",
                                      "codebook.safetensors") if not (folder / name).is_file()]
@@ -60,7 +63,7 @@ class ReferenceModel:
                 f"{folder} is not a complete reference model folder: missing {', '.join(missing)}. "
                 "Retrain it with `python -m sjd_core.tools.reference.train --out FOLDER`.")
         meta = json.loads((folder / DESCRIPTION).read_text())
-        device, dtype = resolve_device_dtype(device, dtype)
+        device, dtype = resolve_device_dtype(device, dtype, weights)
         self.folder = folder
         self.dtype = dtype
         self.classes = ClassVocabulary(meta["classes"], meta["synonyms"])
@@ -69,10 +72,14 @@ class ReferenceModel:
         self.null_token = int(meta["null_class_token"])
         self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
         self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
-        self.defaults = SamplingDefaults(**meta["defaults"])
+        self.recipes = {"trained": SamplingDefaults(
+            **meta["defaults"], source="the reference model's own recipe (reference.json, written by "
+                                       "sjd_core.tools.reference.train)")}
+        self.defaults = self.recipes["trained"]
         config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
         self.network = load_transformers_model(LlamaForCausalLM, config, safetensors_files(folder),
-                                               device, dtype, device_map)
+                                               device, dtype, device_map,
+                                               quantization=quantization_config(weights, device))
         self.device = input_device(self.network)
         self.codebook = load_file(str(folder / "codebook.safetensors"))["codebook"].float()
         if self.codebook.shape[0] != self.codebook_size:
@@ -144,7 +151,13 @@ class ReferenceModel:
         return grey[..., None].expand(-1, -1, -1, 3).contiguous().float()
 
 
+def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
+    """The one size a reference model folder draws, from ``reference.json`` (no weights read)."""
+    meta = json.loads((Path(path) / DESCRIPTION).read_text())
+    return [(int(meta["grid"][1]) * int(meta["patch"]), int(meta["grid"][0]) * int(meta["patch"]))]
+
+
 def build(path: Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-          device_map: str | dict | None = None) -> ReferenceModel:
+          device_map: str | dict | None = None, weights: str | None = None) -> ReferenceModel:
     """The loader's entry point for the ``reference`` family."""
-    return ReferenceModel(path, device=device, dtype=dtype, device_map=device_map)
+    return ReferenceModel(path, device=device, dtype=dtype, device_map=device_map, weights=weights)

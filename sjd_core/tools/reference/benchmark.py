@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device)
     probe = QualityProbe(args.model)
-    base = SamplingSettings(**model.defaults.__dict__)
+    d = model.defaults
+    base = SamplingSettings(guidance=d.guidance, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p)
     settings = {"default": base,
                 "high-entropy": replace(base, temperature=args.high_temperature, top_p=1.0)}
     count = 10 * args.per_class
