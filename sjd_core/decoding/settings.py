@@ -91,8 +91,8 @@ class AccelerationSettings:
     vp_top_k: int = 50
     vp_decay: float = 0.5
     relaxed: RelaxedRule = "none"
-    lantern_neighbours: int = 1000
-    lantern_delta: float = 0.1
+    lantern_neighbours: int | None = None  # None: scaled to the codebook (see verify)
+    lantern_delta: float | None = None  # None: scaled to the codebook (see verify)
     gsd_rank_radius: int = 7
     gsd_prob_tolerance: float = 0.15
     gsd_embedding_tolerance: float = 0.5
@@ -114,12 +114,17 @@ class AccelerationSettings:
                  self.vp_top_k, "an integer >= 1")
         _finite("vp_decay", self.vp_decay)
         _require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
-        _require(isinstance(self.lantern_neighbours, int) and self.lantern_neighbours >= 1,
-                 "lantern_neighbours", self.lantern_neighbours, "an integer >= 1")
+        _require(self.lantern_neighbours is None or (isinstance(self.lantern_neighbours, int)
+                                                     and self.lantern_neighbours >= 1),
+                 "lantern_neighbours", self.lantern_neighbours,
+                 "an integer >= 1, or None (scaled to the codebook)")
         for name in ("lantern_delta", "gsd_prob_tolerance", "gsd_embedding_tolerance"):
+            if getattr(self, name) is None and name == "lantern_delta":
+                continue
             _finite(name, getattr(self, name))
             _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
-        _require(self.lantern_delta <= 1, "lantern_delta", self.lantern_delta, "in [0, 1]")
+        _require(self.lantern_delta is None or self.lantern_delta <= 1, "lantern_delta",
+                 self.lantern_delta, "in [0, 1], or None (scaled to the codebook)")
         _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
                  "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
         speculative = self.window > 1

@@ -1,68 +1,56 @@
-"""Every decoding mode side by side on the synthetic model, measured in one run.
+"""Wall-clock speed of every lossless mode side by side, measured in one run with paired images.
 
-    python -m sjd_core.tools.bench [--grid 48] [--codebook 8192] [--images 1]
+    python -m sjd_core.tools.bench --threads 1                       # the embedded reference model
+    python -m sjd_core.tools.bench --model synthetic --images 1      # a random 48x48 model
+    python -m sjd_core.tools.bench --batch 4 --json bench.json
 
-Prints one table: per mode, forward passes (NFE), step compression, mean accepted length,
-wall-clock time relative to AR measured in the same run, and the share of the wall-clock time
-spent outside the model's forward pass. The synthetic model is a random transformer, so the
-numbers say how the modes compare on one model, not what a real checkpoint will do.
-``measure`` and ``format_table`` are shared with the reference-model benchmark.
+For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
+slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
+speed-up against plain autoregression (AR), step compression and the share of the time spent
+outside the network. On the reference model transformers' own ``generate()`` (with its
+classifier-free guidance, temperature and top-p: the same target distribution) runs too, as an
+outside reference; every speed-up is against the faster of the two ARs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..decoding.engine import generate
-from ..models.protocol import GenerationRequest, ImageTokenModel
-from ..models.synthetic import SyntheticModel
 from ..decoding.settings import AccelerationSettings, SamplingSettings
+from ..models.protocol import GenerationRequest, ImageTokenModel
 
-MODES: list[tuple[str, dict]] = [
-    ("AR", dict(window=1)),
-    ("SJD", dict()),
-    ("SJD+AC", dict(adaptive_continuation=True)),
-    ("SJD+PD", dict(proactive_drafting=True)),
-    ("PAC (SJD+AC+PD)", dict(adaptive_continuation=True, proactive_drafting=True)),
-    ("SJD+VP", dict(verification_prediction=True)),
-    ("PAC+VP", dict(adaptive_continuation=True, proactive_drafting=True,
-                    verification_prediction=True)),
-    ("PAC+VP+LANTERN", dict(adaptive_continuation=True, proactive_drafting=True,
-                            verification_prediction=True, relaxed="lantern")),
-    ("PAC+VP+GSD", dict(adaptive_continuation=True, proactive_drafting=True,
-                        verification_prediction=True, relaxed="gsd")),
-]
+MODES: dict[str, AccelerationSettings] = {
+    "AR": AccelerationSettings.preset("ar"),
+    "SJD": AccelerationSettings.preset("sjd"),
+    "SJD+AC": AccelerationSettings(adaptive_continuation=True),
+    "PAC": AccelerationSettings.preset("pac"),
+    "PAC+VP": AccelerationSettings.preset("pac+vp"),
+    "auto": AccelerationSettings.preset("auto"),
+}
+GENERATE = "transformers generate()"
+COLUMNS = ["mode", "NFE/image", "s/image", "speed-up", "step compr.", "outside net"]
 
 
-def measure(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
-            acceleration: AccelerationSettings, seeds: Sequence[int]) -> dict:
-    """Generate one image per seed (batch 1, so NFE is per image) and time the whole calls.
+@dataclass
+class ModeTimes:
+    """What one mode did over the images: seconds, forward passes and network time per image."""
 
-    Returns codes (N, H, W), wall ``seconds`` (prefill and set-up included), ``forward_share``
-    of that time spent in the model's forward, and the mean NFE, step compression and accepted
-    length over the images.
-    """
-    codes, summaries, seconds = [], [], 0.0
-    for seed in seeds:
-        start = time.perf_counter()
-        result = generate(model, request, sampling, acceleration, seed=seed)
-        seconds += time.perf_counter() - start
-        codes.append(result.codes)
-        summaries.append(result.trace.summary())
-    forward = sum(s["forward_seconds"] for s in summaries)
-    return {
-        "codes": torch.cat(codes),
-        "seconds": seconds,
-        "forward_share": forward / seconds if seconds > 0 else 0.0,
-        "nfe": float(np.mean([s["nfe"] for s in summaries])),
-        "step_compression": float(np.mean([s["step_compression"] for s in summaries])),
-        "mean_accepted_length": float(np.mean([s["mean_accepted_length"] for s in summaries])),
-    }
+    seconds: list[float] = field(default_factory=list)
+    nfe: list[float] = field(default_factory=list)
+    network: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, nfe: float, network: float) -> None:
+        self.seconds.append(seconds)
+        self.nfe.append(nfe)
+        self.network.append(network)
 
 
 def format_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:
@@ -74,59 +62,160 @@ def format_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:
     return "\n".join([line(columns), rule] + [line([r.get(c, "") for c in columns]) for r in rows])
 
 
-COLUMNS = ["mode", "NFE", "step compr.", "mean acc. len", "time vs AR", "outside fwd"]
+def transformers_generate(model: ImageTokenModel, prompt: str, batch: int,
+                          sampling: SamplingSettings, seed: int) -> float:
+    """Seconds for transformers' ``generate()`` to draw ``batch`` reference-model images.
+
+    Same target distribution as the pack's: classifier-free guidance against the null class on
+    raw logits (generate's guidance works on log-softmaxed logits, which differs by a constant
+    per row and so gives the same softmax), class tokens suppressed, then temperature, top-k,
+    top-p. Only the embedded reference model (a plain ``LlamaForCausalLM``) runs this way.
+    """
+    net, codes = model.network, model.codebook_size
+    token = model.class_offset + model.class_of(prompt) if prompt else model.null_token
+    ids = torch.full((batch, 1), token, device=model.device)
+    negative = torch.full((batch, 1), model.null_token, device=model.device)
+    slots = model.grid[0] * model.grid[1]
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    net.generate(ids, attention_mask=torch.ones_like(ids), negative_prompt_ids=negative,
+                 guidance_scale=sampling.guidance, do_sample=True,
+                 temperature=sampling.temperature, top_k=sampling.top_k or None,
+                 top_p=sampling.top_p, max_new_tokens=slots, min_new_tokens=slots,
+                 suppress_tokens=list(range(codes, net.config.vocab_size)),
+                 pad_token_id=model.null_token, eos_token_id=None)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter() - start
 
 
-def run(model: ImageTokenModel, sampling: SamplingSettings, window: int, seeds: Sequence[int],
-        prompt: str) -> list[dict[str, str]]:
-    """Measure every mode on the same prompt and seeds; returns the table rows."""
-    rows, ar_seconds = [], None
-    for label, options in MODES:
-        settings = AccelerationSettings(**{"window": window, **options})
-        result = measure(model, GenerationRequest(prompt=prompt), sampling, settings, seeds)
-        ar_seconds = ar_seconds or result["seconds"]
-        rows.append({
-            "mode": label + ("" if settings.lossless else " (lossy)"),
-            "NFE": f"{result['nfe']:.1f}",
-            "step compr.": f"{result['step_compression']:.2f}x",
-            "mean acc. len": f"{result['mean_accepted_length']:.2f}",
-            "time vs AR": f"{result['seconds'] / ar_seconds:.3f}",
-            "outside fwd": f"{100 * (1 - result['forward_share']):.1f}%",
+def run(model: ImageTokenModel, modes: dict[str, AccelerationSettings],
+        sampling: SamplingSettings, prompts: Sequence[str], batch: int, seed: int,
+        with_generate: bool, progress: Callable[[str], None] = print) -> dict[str, ModeTimes]:
+    """Every mode on every prompt (one batch each, seeds ``seed + i * batch``), interleaved."""
+    times = {name: ModeTimes() for name in ([GENERATE] if with_generate else []) + list(modes)}
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        image_seed = seed + index * batch
+        if with_generate:
+            seconds = transformers_generate(model, prompt, batch, sampling, image_seed)
+            times[GENERATE].add(seconds, float(model.grid[0] * model.grid[1]), float("nan"))
+        for name, acceleration in modes.items():
+            request = GenerationRequest(prompt=prompt, batch_size=batch)
+            start = time.perf_counter()
+            result = generate(model, request, sampling, acceleration, seed=image_seed)
+            seconds = time.perf_counter() - start
+            summary = result.trace.summary()
+            times[name].add(seconds, summary["nfe"], summary["forward_seconds"])
+        done = index + 1
+        elapsed = time.perf_counter() - started
+        line = ", ".join(f"{name} {t.seconds[-1]:.2f} s" for name, t in times.items())
+        progress(f"  image {done}/{len(prompts)} ({line}); ETA "
+                 f"{elapsed / done * (len(prompts) - done):.0f} s")
+    return times
+
+
+def summarise(times: dict[str, ModeTimes], slots: int, batch: int) -> list[dict]:
+    """One record per mode; speed-ups against the faster AR (ours or generate's), by medians."""
+    baselines = [statistics.median(times[name].seconds) for name in ("AR", GENERATE)
+                 if name in times]
+    baseline = min(baselines)
+    records = []
+    for name, t in times.items():
+        seconds = statistics.median(t.seconds)
+        nfe = statistics.mean(t.nfe)
+        network = sum(t.network) if name != GENERATE else float("nan")
+        records.append({
+            "mode": name,
+            "nfe_per_image": nfe,
+            "seconds_per_image": seconds / batch,
+            "speedup_vs_ar": baseline / seconds,
+            "step_compression": slots / nfe,
+            "outside_forward_share": 1 - network / sum(t.seconds),
         })
-        print(f"  {label}: {result['nfe']:.0f} forward passes, {result['seconds']:.1f} s",
-              flush=True)
-    return rows
+    return records
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.bench", description=__doc__.split(
-        "\n\n")[0])
-    parser.add_argument("--grid", type=int, default=48, help="grid side in codes (default 48)")
-    parser.add_argument("--codebook", type=int, default=8192, help="codebook size (default 8192)")
-    parser.add_argument("--window", type=int, default=16, help="window length (default 16)")
-    parser.add_argument("--images", type=int, default=1, help="images per mode (default 1)")
-    parser.add_argument("--width", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=2000, help="top-k (default 2000)")
+def table(records: list[dict]) -> str:
+    return format_table([{
+        "mode": r["mode"], "NFE/image": f"{r['nfe_per_image']:.1f}",
+        "s/image": f"{r['seconds_per_image']:.3f}", "speed-up": f"{r['speedup_vs_ar']:.2f}x",
+        "step compr.": f"{r['step_compression']:.2f}x",
+        "outside net": "-" if r["outside_forward_share"] != r["outside_forward_share"]
+        else f"{100 * r['outside_forward_share']:.1f}%",
+    } for r in records], COLUMNS)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="reference",
+                        help="'reference' (the embedded model), 'synthetic' (a random 48x48 "
+                             "model) or a checkpoint folder (default: %(default)s)")
+    parser.add_argument("--images", type=int, default=10,
+                        help="prompts (batches) per mode (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="images per batch (default: 1)")
+    parser.add_argument("--setting", choices=("default", "hot"), default="default",
+                        help="the model's recipe, or 'hot': temperature 1.5 without top-p")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated modes (default: all: {','.join(MODES)})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the records to this file")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (default: torch's choice); 1 keeps timings "
-                             "steady on a machine that is busy with other work")
+                        help="CPU threads for torch (0: torch's choice); 1 keeps timings steady")
     args = parser.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: {unknown} not allowed; pick from {list(MODES)}")
+    if args.images < 1 or args.batch < 1:
+        parser.error(f"--images={args.images} and --batch={args.batch} must be >= 1")
+    return args
+
+
+def load(name: str, device: str) -> tuple[ImageTokenModel, list[str]]:
+    """The model and the prompts it cycles through."""
+    if name == "synthetic":
+        from ..models.synthetic import SyntheticModel
+
+        model = SyntheticModel(codebook_size=8192, grid=(48, 48), width=256, layers=4, heads=4,
+                               sharpness=3.0, max_fed=256, seed=0, device=device)
+        return model, ["a red fox in the snow"]
+    from ..models.reference import WEIGHTS_DIR
+    from ..models.registry import load_model
+
+    model = load_model(WEIGHTS_DIR if name == "reference" else name, device=device)
+    names = list(getattr(getattr(model, "classes", None), "names", [])) or ["a photo"]
+    return model, names
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = SyntheticModel(codebook_size=args.codebook, grid=(args.grid, args.grid),
-                           width=args.width, layers=args.layers, heads=4, sharpness=3.0,
-                           max_fed=256, seed=0, device=args.device)
-    sampling = SamplingSettings(guidance=3.0, temperature=args.temperature, top_k=args.top_k)
-    print(f"synthetic model: codebook {args.codebook}, grid {args.grid}x{args.grid}, width "
-          f"{args.width}, {args.layers} layers, window {args.window}, {args.images} image(s) per "
-          f"mode, device {args.device}", flush=True)
-    rows = run(model, sampling, args.window, list(range(args.images)), "a red fox in the snow")
-    table = format_table(rows, COLUMNS)
-    print(table)
-    return table
+    model, names = load(args.model, args.device)
+    recipe = model.defaults
+    sampling = SamplingSettings(guidance=recipe.guidance, temperature=recipe.temperature,
+                                top_k=recipe.top_k, top_p=recipe.top_p)
+    if args.setting == "hot":
+        sampling = SamplingSettings(guidance=recipe.guidance, temperature=1.5, top_k=recipe.top_k)
+    prompts = [names[i % len(names)] for i in range(args.images)]
+    modes = {name: MODES[name] for name in args.modes.split(",")}
+    with_generate = getattr(model, "family", "") == "reference"
+    print(f"{args.model} model, {args.device}, {torch.get_num_threads()} thread(s), {sampling}, "
+          f"{args.images} batch(es) of {args.batch} per mode", flush=True)
+    times = run(model, modes, sampling, prompts, args.batch, args.seed, with_generate,
+                progress=lambda line: print(line, flush=True))
+    slots = model.grid_for(None)[0] * model.grid_for(None)[1]
+    records = summarise(times, slots, args.batch)
+    print(table(records))
+    if with_generate and "AR" in times:
+        ours, theirs = (statistics.median(times[n].seconds) for n in ("AR", GENERATE))
+        print(f"AR (ours) / generate(): ratio of medians {ours / theirs:.3f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(records, handle, indent=1)
+    return records
 
 
 if __name__ == "__main__":
