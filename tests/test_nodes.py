@@ -32,11 +32,16 @@ pack = _import_pack()
 from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
-from sjd_pack.nodes.sampler import acceleration_settings  # noqa: E402
+from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
+from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
+                                                 AccelerationSettings, SamplingSettings)
 from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
 
 Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
-Sampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
+Sampler = pack.NODE_CLASS_MAPPINGS["SJDSamplerV2"]
+AccelerationOptions = pack.NODE_CLASS_MAPPINGS["SJDAccelerationOptions"]
+SamplingOptions = pack.NODE_CLASS_MAPPINGS["SJDSamplingOptions"]
+LegacySampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
 Decode = pack.NODE_CLASS_MAPPINGS["SJDDecode"]
 Diagnostics = pack.NODE_CLASS_MAPPINGS["SJDDiagnostics"]
 GRID = (8, 8)
@@ -65,6 +70,15 @@ def sample(model: LoadedModel, **changes):
     return Sampler().sample(model, **values, unique_id="7")["result"]
 
 
+def acceleration(**changes):
+    """The object an SJD Acceleration Options node with these widget values sends."""
+    return AccelerationOptions().options(**(widget_defaults(AccelerationOptions) | changes))[0]
+
+
+def sampling(**changes):
+    return SamplingOptions().options(**(widget_defaults(SamplingOptions) | changes))[0]
+
+
 # ---------------------------------------------------------------- the pack as ComfyUI sees it
 
 def test_pack_imports_without_comfyui():
@@ -75,8 +89,9 @@ def test_pack_imports_without_comfyui():
             "[k for k in ('comfy', 'folder_paths', 'server') if k in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["['SJDDecode',", "'SJDDiagnostics',", "'SJDModelLoader',",
-                                  "'SJDSampler']", "./web", "[]"]
+    assert out.stdout.split() == ["['SJDAccelerationOptions',", "'SJDDecode',",
+                                  "'SJDDiagnostics',", "'SJDModelLoader',", "'SJDSampler',",
+                                  "'SJDSamplerV2',", "'SJDSamplingOptions']", "./web", "[]"]
     assert (REPO / "web" / "js" / "sjd_progress.js").is_file()
 
 
@@ -93,17 +108,35 @@ def test_every_node_documents_itself(name):
     assert page.read_text().startswith(f"# {pack.NODE_DISPLAY_NAME_MAPPINGS[name]}")
 
 
-def test_lossy_settings_say_so_and_seed_has_control_after_generate():
-    inputs = Sampler.INPUT_TYPES()["required"]
+def test_sampler_has_few_widgets_and_modes_come_from_the_presets():
+    inputs = Sampler.INPUT_TYPES()
+    assert list(inputs["required"]) == ["model", "prompt", "negative_prompt", "resolution",
+                                        "batch_size", "seed", "mode", "window"]
+    assert len(inputs["required"]) <= 10
+    assert inputs["required"]["mode"][0] == [name.upper() for name in PRESETS]
+    assert inputs["required"]["mode"][1]["default"] == DEFAULT_PRESET.upper()
+    assert inputs["required"]["window"][1]["default"] == AccelerationSettings().window
+    assert inputs["required"]["seed"][1]["control_after_generate"] is True
+    assert [spec[0] for spec in inputs["optional"].values()] == ["SJD_ACCELERATION",
+                                                                  "SJD_SAMPLING"]
+
+
+def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
+    fields = list(AccelerationSettings.__dataclass_fields__)
+    inputs = AccelerationOptions.INPUT_TYPES()["required"]
+    assert list(inputs) == [name for name in fields if name != "window"]
     lossy = [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
     assert len(lossy) == 6
-    assert all("LOSSY" in inputs[n][1]["tooltip"] for n in lossy)
-    assert not any("LOSSY" in spec[1].get("tooltip", "") for n, spec in inputs.items()
-                   if n not in lossy)
-    assert inputs["seed"][1]["control_after_generate"] is True
-    assert inputs["mode"][0] == ["PAC+VP", "PAC", "SJD", "AR", "custom"]
-
-
+    assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)
+    assert not any("LOSSY" in spec[1]["tooltip"] for n, spec in inputs.items() if n not in lossy)
+    for switch in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+        assert inputs[switch][0] == ["as mode", "on", "off"]
+    defaults = AccelerationSettings()
+    for name, spec in inputs.items():
+        if spec[0] != ["as mode", "on", "off"]:
+            assert spec[1]["default"] == getattr(defaults, name), name
+    assert list(SamplingOptions.INPUT_TYPES()["required"]) == list(
+        SamplingSettings.__dataclass_fields__)
 def test_install_metadata():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     comfy = meta["tool"]["comfy"]
@@ -211,43 +244,120 @@ def test_same_seed_same_codes_and_batch_rows_follow_their_seeds(synthetic):
     assert torch.equal(batch[1:], sample(synthetic, prompt="p", seed=6)[0].codes)
 
 
-@pytest.mark.parametrize("mode, name", [("AR", "AR"), ("SJD", "SJD"), ("PAC", "SJD+AC+PD"),
-                                        ("PAC+VP", "SJD+AC+PD+VP")])
-def test_presets(mode, name):
-    values = widget_defaults(Sampler)
-    settings = acceleration_settings(mode, *[values[k] for k in (
-        "window", "init", "adaptive_continuation", "proactive_drafting", "pd_candidates",
-        "pd_depth", "verification_prediction", "vp_rises", "vp_top_k", "vp_decay", "relaxed",
-        "lantern_neighbours", "lantern_delta", "gsd_rank_radius", "gsd_prob_tolerance",
-        "gsd_embedding_tolerance")])
-    assert settings.mode_name == name
-    assert settings.window == (1 if mode == "AR" else values["window"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_as_its_settings_say(synthetic, preset):
+    expected = AccelerationSettings.preset(preset)
+    if expected.window > 1:
+        expected = AccelerationSettings.preset(preset, window=8)
+    _, trace, line = sample(synthetic, mode=preset.upper(), window=8)
+    assert trace.run.mode == expected.mode_name and line.startswith(expected.mode_name)
 
 
-def test_custom_mode_uses_the_toggles(synthetic):
-    _, trace, line = sample(synthetic, mode="custom", adaptive_continuation=False,
-                            proactive_drafting=False, verification_prediction=True,
-                            relaxed="lantern", window=8)
+def test_settings_travel_as_objects(synthetic):
+    options = acceleration(adaptive_continuation="off", proactive_drafting="off",
+                           verification_prediction="on", relaxed="lantern")
+    assert options.overrides["verification_prediction"] is True
+    assert options.overrides["adaptive_continuation"] is False
+    _, trace, line = sample(synthetic, mode="PAC", window=8, acceleration=options)
     assert trace.run.mode == "SJD+VP+LANTERN" and "(LOSSY)" in line
+    as_mode = acceleration()
+    assert not {"adaptive_continuation", "proactive_drafting", "verification_prediction"} & set(
+        as_mode.overrides)
+    _, trace, _ = sample(synthetic, mode="SJD", window=8, acceleration=as_mode)
+    assert trace.run.mode == "SJD"
+    greedy = sampling(top_k=1)
+    assert isinstance(greedy, SamplingSettings) and greedy.top_k == 1 and greedy.guidance == 3.0
+    first = sample(synthetic, prompt="p", seed=1, sampling=greedy)[0].codes
+    assert torch.equal(first, sample(synthetic, prompt="p", seed=2, sampling=greedy)[0].codes)
+
+
+def test_without_sampling_options_the_family_recipe_is_used(reference):
+    loaded = reference[0]
+    recipe = loaded.model.defaults
+    explicit = sampling(guidance=recipe.guidance, temperature=recipe.temperature,
+                        top_k=recipe.top_k, top_p=recipe.top_p)
+    plain = sample(loaded, prompt="bag", seed=4)[0].codes
+    assert torch.equal(plain, sample(loaded, prompt="bag", seed=4, sampling=explicit)[0].codes)
 
 
 @pytest.mark.parametrize("changes, expected", [
-    (dict(mode="AR", relaxed="lantern"), ["mode=AR", "relaxed='lantern'", "SJD, PAC, PAC+VP"]),
-    (dict(mode="custom", window=1), ["mode=custom", "adaptive_continuation", "raise window"]),
-    (dict(mode="PAC", window=4, pd_depth=6), ["pd_depth=6", "window (4)"]),
+    (dict(mode="AR", acceleration=dict(relaxed="lantern")),
+     ["SJD Sampler: mode=AR", "relaxed='lantern'", "speculative mode such as SJD"]),
+    (dict(mode="PAC", window=4, acceleration=dict(pd_depth=6)), ["pd_depth=6", "window (4)"]),
+    (dict(mode="SJD", window=1, acceleration=dict(verification_prediction="on")),
+     ["verification_prediction=True", "raise window"]),
     (dict(resolution="768x768"), ["resolution=768x768", "synthetic", "pick one of 8x8"]),
-    (dict(sampling="custom", top_p=0.0), ["top_p=0.0", "(0, 1]"]),
-    (dict(sampling="custom", temperature=0.0), ["temperature=0.0", "top_k=1"]),
+    (dict(resolution="huge"), ["resolution='huge'", "WIDTHxHEIGHT"]),
     (dict(mode="turbo"), ["mode='turbo'", "PAC+VP"]),
     (dict(batch_size=0), ["batch_size=0", ">= 1"]),
 ])
 def test_sampler_bad_inputs_say_what_to_do(synthetic, changes, expected):
+    if "acceleration" in changes:
+        changes["acceleration"] = acceleration(**changes["acceleration"])
     with pytest.raises(ValueError) as error:
         sample(synthetic, **changes)
     message = str(error.value)
     assert message.startswith("SJD Sampler:")
     for part in expected:
         assert part in message, message
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(top_p=0.0), ["SJD Sampling Options:", "top_p=0.0", "(0, 1]"]),
+    (dict(temperature=0.0), ["SJD Sampling Options:", "temperature=0.0", "top_k=1"]),
+])
+def test_sampling_options_report_bad_values_on_their_own_node(changes, expected):
+    with pytest.raises(ValueError) as error:
+        sampling(**changes)
+    for part in expected:
+        assert part in str(error.value)
+
+
+def test_ui_payload_is_bounded_and_the_trace_goes_through_the_output():
+    torch.manual_seed(0)
+    big = LoadedModel(SyntheticModel(codebook_size=8, grid=(90, 90), width=16, sharpness=6.0),
+                      None, "synthetic 90x90", torch.float32)
+    values = widget_defaults(Sampler) | dict(prompt="p", batch_size=4, mode="SJD", window=4)
+    out = Sampler().sample(big, **values, unique_id="3")
+    ui = out["ui"]
+    assert set(ui) == {"sjd_summary", "sjd_accepted", "sjd_text"}
+    iterations = ui["sjd_summary"][0]["iterations"]
+    assert iterations > CHART_POINTS and len(ui["sjd_accepted"]) == CHART_POINTS
+    trace = out["result"][1].trace
+    assert trace.slot_maps()["commit_iteration"].shape == (4, 90, 90)
+    assert len(json.dumps(ui)) < 8_000 < len(trace.to_json()) // 100
+    # the series keeps the mean: total codes / steps, within rounding
+    assert abs(sum(ui["sjd_accepted"]) / CHART_POINTS
+               - sum(trace.accepted_lengths()) / 4 / iterations) < 0.1
+
+
+OLD_WIDGETS = dict(prompt="p", negative_prompt="", resolution="default", batch_size=1, seed=5,
+                   sampling="family recipe", guidance=3.0, temperature=1.0, top_k=0, top_p=1.0,
+                   mode="custom", window=8, init="uniform", adaptive_continuation=False,
+                   proactive_drafting=False, verification_prediction=True, vp_rises=3,
+                   vp_top_k=50, vp_decay=0.5, relaxed="none", lantern_neighbours=1000,
+                   lantern_delta=0.1, gsd_rank_radius=7, gsd_prob_tolerance=0.15,
+                   gsd_embedding_tolerance=0.5, pd_candidates=4, pd_depth=3)
+
+
+def test_old_all_in_one_sampler_still_runs_and_matches_the_new_one(synthetic):
+    assert LegacySampler.DEPRECATED is True
+    assert list(LegacySampler.INPUT_TYPES()["required"]) == [
+        "model", "prompt", "negative_prompt", "resolution", "batch_size", "seed", "sampling",
+        "guidance", "temperature", "top_k", "top_p", "mode", "window", "init",
+        "adaptive_continuation", "proactive_drafting", "pd_candidates", "pd_depth",
+        "verification_prediction", "vp_rises", "vp_top_k", "vp_decay", "relaxed",
+        "lantern_neighbours", "lantern_delta", "gsd_rank_radius", "gsd_prob_tolerance",
+        "gsd_embedding_tolerance"]  # the saved order of widget values
+    old = LegacySampler().sample(synthetic, unique_id="1", **OLD_WIDGETS)["result"]
+    new = sample(synthetic, prompt="p", seed=5, mode="SJD", window=8,
+                 acceleration=acceleration(verification_prediction="on"))
+    assert old[1].run.mode == new[1].run.mode == "SJD+VP"
+    assert torch.equal(old[0].codes, new[0].codes)
+    with pytest.raises(ValueError, match=r"SJD Sampler \(all options, old\): mode=AR.*SJD, PAC"):
+        LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(mode="AR", relaxed="gsd")))
+    with pytest.raises(ValueError, match="sampling='best'"):
+        LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(sampling="best")))
 
 
 def test_cancel_stops_within_one_step_and_the_model_still_works(synthetic, monkeypatch):
