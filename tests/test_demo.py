@@ -5,7 +5,9 @@ import pytest
 from PIL import Image
 
 from sjd_core.tools import demo
-from sjd_core.tools.figures import acceptance_figure, colourise, committed_together, heatmap, image_grid
+from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
+                                   committed_together, heatmap, histogram_figure, image_grid,
+                                   labelled_panel)
 
 
 def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys):
@@ -15,7 +17,8 @@ def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys)
     assert report["image"] == str(tmp_path / "sneaker.png")
     assert report["heatmap"] == str(tmp_path / "sneaker_heatmap.png")
     assert image.size == (260, 260)  # 32 px scaled 8x, 2 px border
-    assert figure.size == (8 + 4 * (256 + 8), 28 + 256 + 16)  # image + three maps, 16 px per slot
+    panel = labelled_panel(np.zeros((256, 256, 3)), "t", (0, 1), "u")
+    assert figure.size == (8 + 4 * (256 + 8), panel.height + 16)  # image + three maps
     assert report["ar_nfe"] == 256 and report["nfe"] < 256
     printed = capsys.readouterr().out
     assert f"speed-up over AR: {report['speedup']:.2f}x wall-clock" in printed
@@ -46,8 +49,9 @@ def test_colour_ramp_and_heatmap_layout():
 def test_acceptance_figure_and_grid():
     maps = {"commit_iteration": np.arange(32).reshape(2, 4, 4),
             "acceptance_probability": np.full((2, 4, 4), 0.5)}
-    figure = acceptance_figure(maps, image=np.zeros((8, 8, 3)), row=1, cell=10)
-    assert figure.size == (8 + 4 * (40 + 8), 28 + 40 + 16)
+    figure = acceptance_figure(maps, image=np.zeros((8, 8, 3)), row=1, cell=40)
+    panel = labelled_panel(np.zeros((160, 160, 3)), "t", (0, 1), "u")
+    assert figure.size == (8 + 4 * (160 + 8), panel.height + 16)
     with pytest.raises(ValueError, match="row=2 is not allowed"):
         acceptance_figure(maps, row=2)
     with pytest.raises(ValueError, match="lacks"):
@@ -56,3 +60,28 @@ def test_acceptance_figure_and_grid():
     assert together.tolist() == [[[2, 2, 1], [3, 3, 3]], [[1, 3, 3], [3, 2, 2]]]
     grid = image_grid(np.ones((5, 4, 4, 3)), columns=2, scale=3, gap=1)
     assert grid.size == (2 * 12 + 3, 3 * 12 + 4)
+
+
+def test_every_map_panel_has_a_colour_bar_with_unit_and_a_grey_legend():
+    tile = np.ones((200, 200, 3))
+    panel = np.asarray(labelled_panel(tile, "commit iteration", (0, 9), UNITS["commit_iteration"]))
+    bar = np.asarray(colour_bar(200, (0, 9), UNITS["commit_iteration"]))
+    strip = panel[-bar.shape[0]:]
+    assert np.array_equal(strip, bar)
+    ramp = colourise(np.array([0.0, 1.0])) * 255
+    row = strip[5, 2:198].astype(float)
+    assert np.abs(row[0] - ramp[0]).max() < 3 and np.abs(row[-1] - ramp[1]).max() < 3
+    assert (np.abs(strip.astype(int) - GREY).max(axis=-1) == 0).sum() > 20  # the grey swatch
+    blank = np.asarray(labelled_panel(tile, "commit iteration", (0, 9), None))
+    assert (blank[-bar.shape[0]:] == 255).all()  # no bar where no map is shown
+    assert not np.array_equal(np.asarray(colour_bar(200, (0, 9), "a")),
+                              np.asarray(colour_bar(200, (0, 9), "b")))  # the unit is written
+
+
+def test_histogram_has_bars_and_labelled_axes():
+    empty = np.asarray(histogram_figure([0, 0, 0], "AR"))
+    full = np.asarray(histogram_figure([5, 0, 1], "AR"))
+    teal = (np.abs(full.astype(int) - (33, 145, 140)).max(axis=-1) == 0)
+    assert teal.sum() > 500 and not (np.abs(empty.astype(int) - (33, 145, 140)).max(axis=-1) == 0).any()
+    dark = (full.min(axis=-1) < 100)
+    assert dark[:, :20].any() and dark[-22:].any()  # text of the y and x axis labels

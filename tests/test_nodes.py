@@ -224,9 +224,13 @@ def test_sample_decode_diagnose(synthetic):
     (images,) = Decode().decode(codes)
     assert images.shape == (1, *GRID, 3) and images.dtype == torch.float32
     assert 0 <= float(images.min()) and float(images.max()) <= 1
+    (large,) = Decode().decode(codes, "8")
+    assert large.shape == (1, GRID[0] * 8, GRID[1] * 8, 3)
+    assert torch.equal(large[:, ::8, ::8], images) and torch.equal(large[:, 7::8, 7::8], images)
     out = Diagnostics().diagnose(trace, 0.5, images)
     commit, waited, probability, histogram, text = out["result"]
-    assert commit.shape == waited.shape == probability.shape == (1, 256, 256, 3)
+    assert commit.shape == waited.shape == probability.shape
+    assert commit.shape[0] == 1 and commit.shape[2] == 256 and commit.shape[1] > 256 + 40
     assert histogram.shape[0] == 1 and histogram.shape[-1] == 3
     assert out["ui"]["images"] == []  # nowhere to show previews outside ComfyUI
     assert f"NFE {summary['nfe']:.1f}" in text and "step compression" in text
@@ -378,6 +382,12 @@ def test_cancel_stops_within_one_step_and_the_model_still_works(synthetic, monke
     monkeypatch.undo()
     codes, trace, _ = sample(synthetic, mode="AR", seed=1)
     assert trace.trace.summary()["nfe"] == GRID[0] * GRID[1]
+
+
+def test_decode_refuses_an_upscale_it_does_not_offer(synthetic):
+    codes = sample(synthetic, prompt="p")[0]
+    with pytest.raises(ValueError, match=r"SJD Decode: upscale='3' is not allowed.*'1', '2', '4', '8'"):
+        Decode().decode(codes, "3")
 
 
 def test_diagnostics_measures_speed_up_against_an_ar_baseline(synthetic):
