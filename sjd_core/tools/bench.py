@@ -6,7 +6,9 @@ Prints one table: per mode, forward passes (NFE), step compression, mean accepte
 wall-clock time relative to AR measured in the same run, and the share of the wall-clock time
 spent outside the model's forward pass. The synthetic model is a random transformer, so the
 numbers say how the modes compare on one model, not what a real checkpoint will do.
-``measure`` and ``format_table`` are shared with the reference-model benchmark.
+``measure`` and ``format_table`` are shared with the reference-model benchmark. Each image shows
+a progress bar with ETA; a bad setting prints one line and exits with code 2. torch is imported
+after the arguments are read, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+from ..decoding.settings import AccelerationSettings
+from .cli import ArgumentParser, ImageProgress, run_command, set_threads
 
-from ..decoding.engine import generate
-from ..models.protocol import GenerationRequest, ImageTokenModel
-from ..models.synthetic import SyntheticModel
-from ..decoding.settings import AccelerationSettings, SamplingSettings
+if TYPE_CHECKING:
+    from ..decoding.settings import SamplingSettings
+    from ..models.protocol import GenerationRequest, ImageTokenModel
+
+PROG = "python -m sjd_core.tools.bench"
 
 MODES: list[tuple[str, dict]] = [
     ("AR", dict(window=1)),
@@ -45,12 +49,22 @@ def measure(model: ImageTokenModel, request: GenerationRequest, sampling: Sampli
 
     Returns codes (N, H, W), wall ``seconds`` (prefill and set-up included), ``forward_share``
     of that time spent in the model's forward, and the mean NFE, step compression and accepted
-    length over the images.
+    length over the images. Each image shows a progress bar with ETA on stderr.
     """
+    import numpy as np
+    import torch
+
+    from ..decoding.engine import generate
+
     codes, summaries, seconds = [], [], 0.0
     for seed in seeds:
+        bar = ImageProgress(f"{acceleration.mode_name} {request.prompt!r} seed {seed}")
         start = time.perf_counter()
-        result = generate(model, request, sampling, acceleration, seed=seed)
+        try:
+            result = generate(model, request, sampling, acceleration, seed=seed,
+                              on_iteration=bar)
+        finally:
+            bar.close()
         seconds += time.perf_counter() - start
         codes.append(result.codes)
         summaries.append(result.trace.summary())
@@ -80,6 +94,8 @@ COLUMNS = ["mode", "NFE", "step compr.", "mean acc. len", "time vs AR", "outside
 def run(model: ImageTokenModel, sampling: SamplingSettings, window: int, seeds: Sequence[int],
         prompt: str) -> list[dict[str, str]]:
     """Measure every mode on the same prompt and seeds; returns the table rows."""
+    from ..models.protocol import GenerationRequest
+
     rows, ar_seconds = [], None
     for label, options in MODES:
         settings = AccelerationSettings(**{"window": window, **options})
@@ -99,8 +115,8 @@ def run(model: ImageTokenModel, sampling: SamplingSettings, window: int, seeds: 
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.bench", description=__doc__.split(
-        "\n\n")[0])
+    """Command-line entry point: one line and exit code 2 for a bad setting."""
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--grid", type=int, default=48, help="grid side in codes (default 48)")
     parser.add_argument("--codebook", type=int, default=8192, help="codebook size (default 8192)")
     parser.add_argument("--window", type=int, default=16, help="window length (default 16)")
@@ -109,20 +125,35 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=2000, help="top-k (default 2000)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: CUDA if present, else CPU")
     parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (default: torch's choice); 1 keeps timings "
-                             "steady on a machine that is busy with other work")
+                        help="CPU threads for torch (default 0: the usable cores, at most 4); 1 "
+                             "keeps timings steady on a machine that is busy with other work")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    for flag in ("grid", "codebook", "images", "width", "layers"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}={getattr(args, flag)} is not allowed: it must be >= 1")
+    return run_command(PROG, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> str:
+    import torch
+
+    from ..decoding.settings import SamplingSettings
+    from ..models.synthetic import SyntheticModel
+
+    # Every row's settings must hold before the first row runs: refuse a bad window at once.
+    for _, options in MODES:
+        AccelerationSettings(**{"window": args.window, **options})
+    threads = set_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = SyntheticModel(codebook_size=args.codebook, grid=(args.grid, args.grid),
                            width=args.width, layers=args.layers, heads=4, sharpness=3.0,
-                           max_fed=256, seed=0, device=args.device)
+                           max_fed=256, seed=0, device=device)
     sampling = SamplingSettings(guidance=3.0, temperature=args.temperature, top_k=args.top_k)
     print(f"synthetic model: codebook {args.codebook}, grid {args.grid}x{args.grid}, width "
           f"{args.width}, {args.layers} layers, window {args.window}, {args.images} image(s) per "
-          f"mode, device {args.device}", flush=True)
+          f"mode, device {device}, {threads} torch CPU thread(s)", flush=True)
     rows = run(model, sampling, args.window, list(range(args.images)), "a red fox in the snow")
     table = format_table(rows, COLUMNS)
     print(table)

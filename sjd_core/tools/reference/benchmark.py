@@ -23,29 +23,33 @@ with every mode and prints one table:
   0.05 by chance); for the lossy rows a small p-value is the expected price of the speed.
 
 The targets of the project are checked under the default table, with the measured numbers.
+Each image shows a progress bar with ETA; a bad setting prints one line and exits with code 2;
+torch is imported after the arguments are read, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from ..bench import MODES, format_table, measure
-from ...decoding.sampling import entropy, process
+from ..cli import ArgumentParser, run_command, set_threads
 from ...decoding.settings import AccelerationSettings, SamplingSettings
-from ...models.registry import load_model
-from ...models.protocol import GenerationRequest, ImageTokenModel
-from ...models.reference.adapter import WEIGHTS_DIR
-from .probe import QualityProbe, energy_test, real_floor
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ...models.protocol import GenerationRequest, ImageTokenModel
+    from .probe import QualityProbe
+
+PROG = "python -m sjd_core.tools.reference.benchmark"
 
 COLUMNS = ("mode", "NFE", "step compr.", "mean acc. len", "speed-up", "outside fwd",
            "entropy", "top-1 p", "probe acc.", "feat. dist", "p vs AR")
 
 
-@torch.inference_mode()
 def target_statistics(model: ImageTokenModel, request: GenerationRequest,
                       sampling: SamplingSettings, codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Per image: mean entropy (nats) and mean top-1 probability of the target distribution.
@@ -53,22 +57,32 @@ def target_statistics(model: ImageTokenModel, request: GenerationRequest,
     One forward pass feeds each image's own codes as a chain, so output ``i`` is the target of
     slot ``i`` given the image's first ``i`` codes: exactly what the sampler drew from.
     """
-    batch, height, width = codes.shape
-    n = height * width
-    session = model.start(replace(request, batch_size=batch, guidance=sampling.guidance))
-    fed = torch.cat([torch.zeros(batch, 1, dtype=torch.long), codes.reshape(batch, n)[:, :-1]], 1)
-    slots = torch.arange(-1, n - 1).expand(batch, n)
-    chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    cond, uncond = session.forward(fed, slots, chain)
-    target = process(cond, uncond, sampling)
-    return (entropy(target).mean(1).cpu().numpy(),
-            target.amax(-1).mean(1).cpu().numpy())
+    import torch
+
+    from ...decoding.sampling import entropy, process
+
+    with torch.inference_mode():
+        batch, height, width = codes.shape
+        n = height * width
+        session = model.start(replace(request, batch_size=batch, guidance=sampling.guidance))
+        fed = torch.cat([torch.zeros(batch, 1, dtype=torch.long), codes.reshape(batch, n)[:, :-1]], 1)
+        slots = torch.arange(-1, n - 1).expand(batch, n)
+        chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        cond, uncond = session.forward(fed, slots, chain)
+        target = process(cond, uncond, sampling)
+        return (entropy(target).mean(1).cpu().numpy(),
+                target.amax(-1).mean(1).cpu().numpy())
 
 
-@torch.inference_mode()
 def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingSettings,
                 window: int, per_class: int, seed: int) -> list[dict]:
     """All modes on the same prompts and seeds; one result dict per mode."""
+    import numpy as np
+    import torch
+
+    from ...models.protocol import GenerationRequest
+    from .probe import energy_test
+
     classes = list(model.classes.names)
     # Distinct seeds for every image: near-uniform targets make a sample mostly a function of
     # its random stream, so one seed shared by several classes would make their images alike
@@ -151,11 +165,12 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.tools.reference.benchmark",
+    parser = ArgumentParser(
+        prog=PROG,
         description="Benchmark every decoding mode on the embedded reference model (one table per "
                     "setting, all rows measured in one run with the same prompts and seeds).")
-    parser.add_argument("--model", default=str(WEIGHTS_DIR), help="reference model folder")
+    parser.add_argument("--model", default=None,
+                        help="reference model folder (default: the embedded one)")
     parser.add_argument("--per-class", type=int, default=5,
                         help="images per class and mode (10 classes; default: %(default)s)")
     parser.add_argument("--window", type=int, default=AccelerationSettings.window,
@@ -165,7 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (default 0: the usable cores, at most 4)")
     args = parser.parse_args(argv)
     if args.per_class < 2:
         parser.error(f"--per-class={args.per_class} is not allowed: it must be >= 2")
@@ -173,12 +189,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    """Run both settings and print their tables; returns the measured rows."""
+    """Run both settings and print their tables; returns the measured rows. A bad setting prints
+    one line and exits with code 2."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device)
-    probe = QualityProbe(args.model)
+    return run_command(PROG, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> dict[str, list[dict]]:
+    import torch
+
+    from ...models.reference.adapter import WEIGHTS_DIR
+    from ...models.registry import load_model
+    from .probe import QualityProbe, real_floor
+
+    torch.set_grad_enabled(False)
+    threads = set_threads(args.threads)
+    print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
+    model = load_model(args.model or WEIGHTS_DIR, device=args.device)
+    probe = QualityProbe(args.model or WEIGHTS_DIR)
     base = SamplingSettings(**model.defaults.__dict__)
     settings = {"default": base,
                 "high-entropy": replace(base, temperature=args.high_temperature, top_p=1.0)}
