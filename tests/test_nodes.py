@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -421,39 +422,86 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 
 # ---------------------------------------------------------------- example workflows
 
-def test_workflows_are_ui_graphs_of_known_nodes():
-    folder = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
-    files = sorted(folder.glob("*.json"))
-    assert len(files) == 6
+TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
+TEXT_TO_IMAGE = "SJD text to image (reference model, runs on any CPU)"
+AR_VS_PAC_VP = "SJD AR vs PAC+VP side by side (reference model)"
+FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Emu3 text to image",
+                    "SJD Janus-Pro text to image", "SJD LlamaGen class to image")
+UNSAFE_IN_FILE_NAMES = set('<>:"/\\|?*#%&')
+
+
+def widget_names(cls: type) -> list[str]:
+    """The names behind a saved node's widget values, in order (seed has its control after it)."""
+    names = []
+    for section in ("required", "optional"):
+        for name, spec in cls.INPUT_TYPES().get(section, {}).items():
+            if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN"):
+                names.append(name)
+                if spec[1].get("control_after_generate"):
+                    names.append("control_after_generate")
+    return names
+
+
+def saved_widgets(node: dict) -> dict:
+    return dict(zip(widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]]), node["widgets_values"]))
+
+
+def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
+    files = sorted(TEMPLATES.glob("*.json"))
+    assert sorted(f.stem for f in files) == sorted([TEXT_TO_IMAGE, AR_VS_PAC_VP, *FAMILY_TEMPLATES])
     for path in files:
+        # The current template browser shows a custom node's template under its file name, with
+        # the .jpg of the same name as its thumbnail.
+        assert path.stem.startswith("SJD ") and not set(path.stem) & UNSAFE_IN_FILE_NAMES
+        thumbnail = path.with_suffix(".jpg")
+        with Image.open(thumbnail) as picture:
+            assert picture.format == "JPEG" and min(picture.size) >= 256, path.name
         graph = json.loads(path.read_text())
         ids = {n["id"] for n in graph["nodes"]}
         for link_id, origin, _, target, _, kind in graph["links"]:
             assert origin in ids and target in ids, path.name
         types = {n["type"] for n in graph["nodes"]}
         assert types <= set(pack.NODE_CLASS_MAPPINGS) | {"SaveImage", "Note"}, path.name
+        assert "SJDSampler" not in types, f"{path.name} uses the old all-in-one sampler"
         for node in graph["nodes"]:
-            if node["type"] == "SJDSampler":
-                widgets = [n for n, s in Sampler.INPUT_TYPES()["required"].items()
-                           if n != "model"]
-                assert len(node["widgets_values"]) == len(widgets) + 1  # + seed control
+            if node["type"] in pack.NODE_CLASS_MAPPINGS:
+                names = widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]])
+                assert len(node["widgets_values"]) == len(names), (path.name, node["type"])
 
 
-def test_reference_workflows_use_the_embedded_model_and_the_advertised_modes():
-    def samplers(name):
-        graph = json.loads((REPO / "workflows" / name).read_text())
-        loaders = [n for n in graph["nodes"] if n["type"] == "SJDModelLoader"]
-        assert [n["widgets_values"][0] for n in loaders] == [REFERENCE]
-        names = [n for n, s in Sampler.INPUT_TYPES()["required"].items() if n != "model"]
-        names.insert(names.index("seed") + 1, "control_after_generate")
-        return [dict(zip(names, n["widgets_values"])) for n in graph["nodes"]
-                if n["type"] == "SJDSampler"]
+def test_template_category_is_named_after_the_pack():
+    from comfyui_harness import PACK_DIR_NAME
 
-    (single,) = samplers("sjd_text_to_image_reference.json")
-    assert single["mode"] == "PAC+VP" and single["relaxed"] == "none"
-    pair = samplers("sjd_ar_vs_pac_vp_reference.json")
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    locale = json.loads((REPO / "locales" / "en" / "main.json").read_text())
+    assert meta["project"]["name"] == PACK_DIR_NAME  # the folder a registry install creates
+    assert locale["templateWorkflows"]["category"] == {
+        PACK_DIR_NAME: meta["tool"]["comfy"]["DisplayName"]}
+
+
+def test_reference_templates_use_the_embedded_model_the_advertised_modes_and_upscale_8():
+    def nodes(name, kind):
+        graph = json.loads((TEMPLATES / f"{name}.json").read_text())
+        return [saved_widgets(n) for n in graph["nodes"] if n["type"] == kind]
+
+    for name in (TEXT_TO_IMAGE, AR_VS_PAC_VP):
+        assert [n["model"] for n in nodes(name, "SJDModelLoader")] == [REFERENCE]
+        assert {n["upscale"] for n in nodes(name, "SJDDecode")} == {"8"}
+    (single,) = nodes(TEXT_TO_IMAGE, "SJDSamplerV2")
+    assert single["mode"] == "PAC+VP"
+    (options,) = nodes(TEXT_TO_IMAGE, "SJDAccelerationOptions")
+    assert options["relaxed"] == "none"
+    pair = nodes(AR_VS_PAC_VP, "SJDSamplerV2")
     assert sorted(s["mode"] for s in pair) == ["AR", "PAC+VP"]
     assert pair[0]["seed"] == pair[1]["seed"] and pair[0]["prompt"] == pair[1]["prompt"]
+
+
+def test_first_release_workflows_keep_their_sampler_layout():
+    for path in sorted((Path(__file__).parent / "old_workflows").glob("*.json")):
+        graph = json.loads(path.read_text())
+        for node in graph["nodes"]:
+            if node["type"] == "SJDSampler":
+                assert len(node["widgets_values"]) == len(widget_names(LegacySampler)) == 28
 
 
 def test_models_folder_comes_from_the_environment_outside_comfyui(tmp_path, monkeypatch):
