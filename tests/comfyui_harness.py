@@ -131,6 +131,7 @@ class ComfyServer:
         self.stop()
 
     python = Path(sys.executable)  # the interpreter that runs ComfyUI
+    extra_arguments: tuple[str, ...] = ()  # more main.py options
 
     def prepare_root(self) -> Path:
         """The ComfyUI folder to run, with the pack under ``custom_nodes``."""
@@ -144,7 +145,8 @@ class ComfyServer:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [str(self.python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-             str(self.port), "--disable-auto-launch", "--preview-method", "auto"],
+             str(self.port), "--disable-auto-launch", "--preview-method", "auto",
+             *self.extra_arguments],
             cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -82,13 +82,13 @@ def side_by_side(left: Image.Image, right: Image.Image, labels: tuple[str, str])
 
 def main() -> None:
     with ComfyServer() as server:
-        single = saved_images(server, "SJD text to image (reference model, runs on any CPU)")
+        single = saved_images(server, "SJD text to image (reference)")
         only = next(iter(single.values()))
         only.resize((SIZE, SIZE), Image.NEAREST).save(
-            TEMPLATES / "SJD text to image (reference model, runs on any CPU).jpg", quality=92)
-        pair = saved_images(server, "SJD AR vs PAC+VP side by side (reference model)")
+            TEMPLATES / "SJD text to image (reference).jpg", quality=92)
+        pair = saved_images(server, "SJD AR vs PAC+VP (reference)")
         side_by_side(pair["sjd_ar"], pair["sjd_pac_vp"], ("AR", "PAC+VP")).save(
-            TEMPLATES / "SJD AR vs PAC+VP side by side (reference model).jpg", quality=92)
+            TEMPLATES / "SJD AR vs PAC+VP (reference).jpg", quality=92)
     for name, card in FAMILY_CARDS.items():
         family_card(*card).save(TEMPLATES / f"{name}.jpg", quality=92)
     print("\n".join(sorted(str(p) for p in TEMPLATES.glob("*.jpg"))))

@@ -423,8 +423,8 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 # ---------------------------------------------------------------- example workflows
 
 TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
-TEXT_TO_IMAGE = "SJD text to image (reference model, runs on any CPU)"
-AR_VS_PAC_VP = "SJD AR vs PAC+VP side by side (reference model)"
+TEXT_TO_IMAGE = "SJD text to image (reference)"
+AR_VS_PAC_VP = "SJD AR vs PAC+VP (reference)"
 FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Emu3 text to image",
                     "SJD Janus-Pro text to image", "SJD LlamaGen class to image")
 UNSAFE_IN_FILE_NAMES = set('<>:"/\\|?*#%&')
@@ -453,6 +453,7 @@ def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
         # The current template browser shows a custom node's template under its file name, with
         # the .jpg of the same name as its thumbnail.
         assert path.stem.startswith("SJD ") and not set(path.stem) & UNSAFE_IN_FILE_NAMES
+        assert len(path.stem) <= 34, f"{path.stem!r}: the template card cuts titles this long"
         thumbnail = path.with_suffix(".jpg")
         with Image.open(thumbnail) as picture:
             assert picture.format == "JPEG" and min(picture.size) >= 256, path.name
