@@ -9,7 +9,7 @@ import { api } from "../../../scripts/api.js";
 // The sampler and the first release's all-in-one sampler, which old workflows still use.
 const SAMPLERS = new Set(["SJDSamplerV2", "SJDSampler"]);
 const DIAGNOSTICS = "SJDDiagnostics";
-const CHART_HEIGHT = 120;
+const CHART_HEIGHT = 90;
 const ERROR_COLOUR = "#ff4d4d";
 
 // Node ids arrive as strings: "5" in the root graph, "5:3" for node 3 inside subgraph node 5.
