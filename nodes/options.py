@@ -36,7 +36,8 @@ class SJDAccelerationOptions:
 
     def options(self, **widgets: object) -> tuple[AccelerationOptions]:
         """Keep every setting; a switch left 'as mode' is left out for the preset to decide."""
-        overrides = {name: SWITCH_VALUES.get(value, value) if name in switches() else value
+        switch_names = switches()
+        overrides = {name: SWITCH_VALUES.get(value, value) if name in switch_names else value
                      for name, value in widgets.items() if value != AS_MODE}
         return (AccelerationOptions(overrides),)
 

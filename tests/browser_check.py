@@ -173,7 +173,7 @@ def observer_disconnects(page, sampler_id: int) -> int:
 
 def template_layout(page, graph: dict, out: Path) -> dict:
     """Load a template at its saved 75% view; returns each node's screen box, the visible canvas
-    and the notes that cover a node."""
+    and the pairs of nodes (notes included) that overlap."""
     load(page, graph)
     view = graph["extra"]["ds"]
     page.evaluate(f"""() => {{
@@ -199,9 +199,9 @@ def template_layout(page, graph: dict, out: Path) -> dict:
     page.screenshot(path=str(out))
     overlap = lambda a, b: (a[0] < b[0] + b[2] and b[0] < a[0] + a[2]  # noqa: E731
                             and a[1] < b[1] + b[3] and b[1] < a[1] + a[3])
-    notes = [b for b in layout["boxes"] if b["type"] == "Note"]
-    layout["covering_notes"] = [(n["type"], b["type"]) for n in notes for b in layout["boxes"]
-                                if b is not n and overlap(n["graph"], b["graph"])]
+    boxes = layout["boxes"]
+    layout["overlapping"] = [(a["type"], b["type"]) for i, a in enumerate(boxes)
+                             for b in boxes[i + 1:] if overlap(a["graph"], b["graph"])]
     return layout
 
 

@@ -88,9 +88,11 @@ def test_every_template_is_readable_at_75_percent_with_notes_beside_the_nodes(se
     assert sorted(templates) == sorted(p.stem for p in TEMPLATES.glob("*.json"))
     for name, layout in templates.items():
         assert layout["scale"] == 0.75
-        assert layout["covering_notes"] == [], name
+        notes = [pair for pair in layout["overlapping"] if "Note" in pair]
+        assert notes == [], (name, notes)
         if seen[2] in SPREADS_LAYOUT:
             continue
+        assert layout["overlapping"] == [], name
         for box in layout["boxes"]:
             left, top, width, height = box["screen"]
             assert left >= LEFT and top >= TOP, (name, box)
