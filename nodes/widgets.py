@@ -9,7 +9,7 @@ not know yet still gets a widget, a generic tooltip and open ranges (the datacla
 from __future__ import annotations
 
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 
 from ..sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS, RELAXED_RULES,
                                           AccelerationSettings, SamplingSettings)
@@ -78,6 +78,7 @@ def mode_choices() -> list[str]:
 
 
 def default_mode() -> str:
+    """The label of ``settings.DEFAULT_PRESET``, the sampler's default mode."""
     return mode_label(DEFAULT_PRESET)
 
 
@@ -95,7 +96,7 @@ def is_lossy(name: str) -> bool:
                                     if rule != "none")
 
 
-def _default(field: object) -> object:
+def _default(field: Field) -> object:
     return field.default if field.default is not MISSING else field.default_factory()
 
 
@@ -134,6 +135,7 @@ def acceleration_option_fields() -> list[str]:
 
 
 def sampling_fields() -> list[str]:
+    """The fields of the SJD Sampling Options node: every SamplingSettings field."""
     return [f.name for f in fields(SamplingSettings)]
 
 

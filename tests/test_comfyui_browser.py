@@ -42,7 +42,7 @@ def seen(request):
 
 
 def test_template_runs_and_the_chart_counts_each_step_once(seen):
-    seen, vue = seen
+    seen, vue, _ = seen
     run = seen["run"]
     assert run["image"]["type"] == "output" and run["image"]["filename"].endswith(".png")
     assert "forward passes for 256 codes" in run["chart"]

@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("sjd_core.tools.demo", "sjd_core.tools.bench", "sjd_core.tools.reference.benchmark")
 
 
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """The tools set torch's thread count for the whole process: restore it for later tests."""
+    import torch
+
+    count = torch.get_num_threads()
+    yield
+    torch.set_num_threads(count)
+
+
 def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys):
     report = demo.main(["--prompt", "sneaker", "--out", str(tmp_path), "--window", "8",
                         "--device", "cpu", "--threads", "1"])

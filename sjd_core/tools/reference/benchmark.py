@@ -198,11 +198,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
 def _run(args: argparse.Namespace) -> dict[str, list[dict]]:
     import torch
 
+    with torch.inference_mode():
+        return _run_settings(args)
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
     from ...models.reference.adapter import WEIGHTS_DIR
     from ...models.registry import load_model
     from .probe import QualityProbe, real_floor
 
-    torch.set_grad_enabled(False)
     threads = set_threads(args.threads)
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
     model = load_model(args.model or WEIGHTS_DIR, device=args.device)
@@ -226,7 +230,6 @@ def _run(args: argparse.Namespace) -> dict[str, list[dict]]:
             print("targets:")
             print("\n".join(targets(rows)))
     return results
-
 
 if __name__ == "__main__":
     main()
