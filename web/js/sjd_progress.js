@@ -11,6 +11,7 @@ const SAMPLERS = new Set(["SJDSamplerV2", "SJDSampler"]);
 const DIAGNOSTICS = "SJDDiagnostics";
 const CHART_HEIGHT = 90;
 const ERROR_COLOUR = "#ff4d4d";
+const ERROR_HEIGHT = 100; // room for about seven lines of an error message
 
 // Node ids arrive as strings: "5" in the root graph, "5:3" for node 3 inside subgraph node 5.
 function findNode(id) {
@@ -26,16 +27,18 @@ function findNode(id) {
   return node;
 }
 
-function makeBox(node, name, minHeight) {
+// A DOM widget of ``height`` pixels, plus room for the error line while it shows one.
+function makeBox(node, name, height) {
   const box = document.createElement("div");
   box.className = name.replace("_", "-");
   box.style.cssText =
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
+  const total = () => height + (box.querySelector(".sjd-error:not([hidden])") ? ERROR_HEIGHT : 0);
   node.addDOMWidget(name, "sjd-" + name, box, {
     serialize: false,
-    getMinHeight: () => minHeight,
-    getHeight: () => minHeight,
+    getMinHeight: total,
+    getHeight: total,
   });
   return box;
 }
@@ -46,15 +49,20 @@ function makeErrorLine(box) {
   const line = document.createElement("div");
   line.className = "sjd-error";
   line.style.cssText =
-    `color:${ERROR_COLOUR};font-weight:bold;white-space:pre-wrap;overflow:auto;max-height:96px;`;
+    `color:${ERROR_COLOUR};font-weight:bold;white-space:pre-wrap;overflow:auto;` +
+    `height:${ERROR_HEIGHT - 4}px;flex:none;`;
   line.hidden = true;
   box.prepend(line);
   return line;
 }
 
-function showError(line, message) {
+// Show (or, with an empty message, hide) the error line; the canvas node grows to hold it.
+function showError(node, line, message) {
   line.textContent = message ? `Error: ${message}` : "";
   line.hidden = !message;
+  const needed = node.computeSize?.();
+  if (needed && node.size && needed[1] > node.size[1]) node.setSize([node.size[0], needed[1]]);
+  node.setDirtyCanvas?.(true, true);
 }
 
 class SamplerChart {
@@ -89,12 +97,12 @@ class SamplerChart {
 
   start() {
     this.reset();
-    showError(this.error, "");
+    showError(this.node, this.error, "");
     this.setStatus("running...");
   }
 
   fail(message) {
-    showError(this.error, message);
+    showError(this.node, this.error, message);
     this.setStatus(`stopped (error) after ${this.accepted.length} steps`);
   }
 
@@ -159,7 +167,7 @@ class SamplerChart {
 class SummaryText {
   constructor(node) {
     this.node = node;
-    this.box = makeBox(node, "sjd_summary", 90);
+    this.box = makeBox(node, "sjd_summary", 120);
     this.pre = document.createElement("pre");
     this.pre.style.cssText = "margin:0;white-space:pre-wrap;overflow:auto;max-height:160px;";
     this.box.append(this.pre);
@@ -168,11 +176,11 @@ class SummaryText {
   }
 
   start() {
-    showError(this.error, "");
+    showError(this.node, this.error, "");
   }
 
   fail(message) {
-    showError(this.error, message);
+    showError(this.node, this.error, message);
   }
 
   show(text) {
