@@ -4,7 +4,9 @@ from . import comfy_bridge, resolutions_route
 from .decode import SJDDecode
 from .diagnostics import SJDDiagnostics
 from .loader import SJDModelLoader
+from .options import SJDAccelerationOptions, SJDSamplingOptions
 from .sampler import SJDSampler
+from .sampler_legacy import SJDSamplerLegacy
 
 comfy_bridge.register_models_folder()
 if comfy_bridge.running_server() is not None:
@@ -12,14 +14,21 @@ if comfy_bridge.running_server() is not None:
 
 NODE_CLASS_MAPPINGS = {
     "SJDModelLoader": SJDModelLoader,
-    "SJDSampler": SJDSampler,
+    "SJDSamplerV2": SJDSampler,
+    "SJDAccelerationOptions": SJDAccelerationOptions,
+    "SJDSamplingOptions": SJDSamplingOptions,
     "SJDDecode": SJDDecode,
     "SJDDiagnostics": SJDDiagnostics,
+    # The first release's sampler, under its saved name so that old workflows load (hidden).
+    "SJDSampler": SJDSamplerLegacy,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "SJDModelLoader": "SJD Model Loader",
-    "SJDSampler": "SJD Sampler",
+    "SJDSamplerV2": "SJD Sampler",
+    "SJDAccelerationOptions": "SJD Acceleration Options",
+    "SJDSamplingOptions": "SJD Sampling Options",
     "SJDDecode": "SJD Decode",
     "SJDDiagnostics": "SJD Diagnostics",
+    "SJDSampler": "SJD Sampler (all options, old)",
 }

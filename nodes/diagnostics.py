@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from ..sjd_core.decoding.trace import summary_text
-from ..sjd_core.tools.figures import heatmap
+from ..sjd_core.tools.figures import UNITS, heatmap, histogram_figure, labelled_panel, value_range
 from . import comfy_bridge
 from .handles import TRACE_TYPE, SamplerTrace
 
@@ -32,11 +32,14 @@ class SJDDiagnostics:
     RETURN_NAMES = ("commit_iteration", "iterations_in_window", "acceptance_probability",
                     "accepted_lengths", "summary")
     OUTPUT_TOOLTIPS = (
-        "Step at which each code was committed (dark = early); same colour = same forward pass.",
-        "How many steps each code spent in the window before it was committed.",
-        "Probability that the committed guess passed its test (grey: no guess was tested, as "
-        "in AR).",
-        "Histogram of codes accepted per step.",
+        "Step at which each code was committed (dark = early); same colour = same forward pass. "
+        "With a colour bar (step numbers).",
+        "How many steps each code spent in the window before it was committed. With a colour "
+        "bar (steps).",
+        "Probability that the committed guess passed its test, with a colour bar (0 to 1); grey: "
+        "no guess was tested, as in AR.",
+        "Histogram of codes accepted per step (x: codes accepted in one step, y: number of "
+        "steps).",
         "NFE, step compression, speed-up and mode, as text.",
     )
 
@@ -69,12 +72,12 @@ class SJDDiagnostics:
             _check_image(image, batch, height, width, trace)
         summary = trace.trace.summary()
         text = describe(summary, trace, baseline_trace)
-        pictures = [_draw_map(maps[key], image, blend) for key, _ in MAPS]
-        histogram = _histogram(summary["accepted_length_histogram"], summary["mode"])
-        tensors = [torch.from_numpy(p) for p in pictures]
-        tensors.append(torch.from_numpy(np.asarray(histogram, dtype=np.float32)[None] / 255.0))
-        previews = [Image.fromarray((p[0] * 255 + 0.5).astype(np.uint8)) for p in pictures]
-        ui_images = comfy_bridge.save_previews(previews + [histogram], "sjd_diagnostics")
+        panels = [_panels(maps[key], key, title, image, blend) for key, title in MAPS]
+        histogram = histogram_figure(summary["accepted_length_histogram"], summary["mode"])
+        tensors = [torch.from_numpy(np.stack([_floats(p) for p in rows])) for rows in panels]
+        tensors.append(torch.from_numpy(_floats(histogram)[None]))
+        ui_images = comfy_bridge.save_previews([rows[0] for rows in panels] + [histogram],
+                                               "sjd_diagnostics")
         return {"ui": {"images": ui_images, "sjd_text": [text]}, "result": (*tensors, text)}
 
 
@@ -106,31 +109,24 @@ def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float) -> n
                      for m, b in zip(rgb, base)]).astype(np.float32)
 
 
+def _panels(values: np.ndarray, key: str, title: str, image: torch.Tensor | None,
+            blend: float) -> list[Image.Image]:
+    """One labelled panel (title, map, colour bar with unit, grey legend) per batch row; the
+    colour range is shared by the batch."""
+    span = value_range(values)
+    return [labelled_panel(row, title, span, UNITS[key]) for row in _draw_map(values, image, blend)]
+
+
+def _floats(picture: Image.Image) -> np.ndarray:
+    return np.asarray(picture, dtype=np.float32) / 255.0
+
+
 def _resized(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """(h, w, 3) floats in [0, 1] -> (size[1], size[0], 3), nearest neighbour (slots stay sharp)."""
     if rgb.shape[1::-1] == size:
         return rgb
     picture = Image.fromarray((rgb * 255 + 0.5).astype(np.uint8)).resize(size, Image.NEAREST)
     return np.asarray(picture, np.float32) / 255.0
-
-
-def _histogram(counts: list[int], mode: str, size: tuple[int, int] = (384, 256)) -> Image.Image:
-    """A bar chart of how many steps accepted 1, 2, ... codes."""
-    canvas = Image.new("RGB", size, (255, 255, 255))
-    draw = ImageDraw.Draw(canvas)
-    left, bottom, top = 30, size[1] - 22, 22
-    draw.text((left, 4), f"codes accepted per step ({mode})", fill=(0, 0, 0))
-    peak = max(counts) if counts and max(counts) > 0 else 1
-    bar = (size[0] - left - 10) / max(len(counts), 1)
-    for index, count in enumerate(counts):
-        x0 = left + index * bar
-        y0 = bottom - (bottom - top) * count / peak
-        draw.rectangle([x0 + 1, y0, x0 + max(bar - 2, 1), bottom], fill=(33, 145, 140))
-        if len(counts) <= 32 or (index + 1) % 4 == 0:
-            draw.text((x0 + bar / 2 - 3, bottom + 4), str(index + 1), fill=(0, 0, 0))
-    draw.text((2, top), str(peak), fill=(0, 0, 0))
-    draw.line([left, bottom, size[0] - 10, bottom], fill=(0, 0, 0))
-    return canvas
 
 
 def describe(summary: dict, trace: SamplerTrace, baseline: SamplerTrace | None) -> str:

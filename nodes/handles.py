@@ -2,22 +2,26 @@
 
 ``SJD_MODEL`` carries a loaded model, ``SJD_CODES`` the code grids of one sampler run (and the
 model that can decode them), ``SJD_TRACE`` the trace of one run with what was asked for, so that a
-node receiving two of them can tell whether they belong together.
+node receiving two of them can tell whether they belong together. ``SJD_ACCELERATION`` carries the
+options of an SJD Acceleration Options node, ``SJD_SAMPLING`` a validated ``SamplingSettings``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..sjd_core.models.protocol import ImageTokenModel
+from ..sjd_core.decoding.settings import AccelerationSettings
 from ..sjd_core.decoding.trace import Trace
 
 MODEL_TYPE = "SJD_MODEL"
 CODES_TYPE = "SJD_CODES"
 TRACE_TYPE = "SJD_TRACE"
+ACCELERATION_TYPE = "SJD_ACCELERATION"
+SAMPLING_TYPE = "SJD_SAMPLING"
 
 
 @dataclass
@@ -75,3 +79,22 @@ class SamplerTrace:
     trace: Trace
     run: RunInfo
 
+
+
+@dataclass(frozen=True)
+class AccelerationOptions:
+    """Settings that replace a mode preset's own: field name -> value of AccelerationSettings.
+
+    A switch (AC, PD, VP) left 'as mode' is absent, so the preset decides it.
+    """
+
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def settings(self, preset: str, window: int) -> AccelerationSettings:
+        """The preset with ``window`` (unless the preset is plain autoregression) and these
+        overrides; ValueError from the settings when they contradict each other."""
+        base = AccelerationSettings.preset(preset)
+        chosen = dict(self.overrides)
+        if base.window > 1:
+            chosen["window"] = window
+        return AccelerationSettings.preset(preset, **chosen)

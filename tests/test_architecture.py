@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("sjd_core", "nodes")
 NODE_MODULES = {"nodes.decode", "nodes.diagnostics", "nodes.loader", "nodes.sampler",
-                "nodes.options"}
+                "nodes.options", "nodes.sampler_legacy"}
 
 
 def project_modules() -> dict[str, Path]:

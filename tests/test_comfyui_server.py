@@ -18,13 +18,11 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
-from test_nodes import pack  # noqa: E402  (the pack imported as a package, as ComfyUI does)
-from sjd_pack.sjd_core.decoding.trace import Trace  # noqa: E402
+from test_nodes import (AR_VS_PAC_VP, FAMILY_TEMPLATES, TEXT_TO_IMAGE,  # noqa: E402
+                        pack)  # the pack imported as a package, as ComfyUI does
 
 WORKFLOWS = REPO / "workflows"
-OUR_NODES = {"SJDModelLoader", "SJDSampler", "SJDDecode", "SJDDiagnostics"}
-FAMILY_WORKFLOWS = ("sjd_lumina_mgpt.json", "sjd_lumina_mgpt2.json", "sjd_emu3.json",
-                    "sjd_janus_pro.json", "sjd_llamagen.json")
+OLD_WORKFLOWS = Path(__file__).resolve().parent / "old_workflows"
 REFERENCE_CODES = 16 * 16
 
 
@@ -39,8 +37,8 @@ def object_info(server):
     return server.get("/object_info")
 
 
-def workflow(name: str) -> dict:
-    return json.loads((WORKFLOWS / name).read_text())
+def workflow(name: str, folder: Path = WORKFLOWS) -> dict:
+    return json.loads((folder / f"{name}.json").read_text())
 
 
 def run(server: ComfyServer, prompt: dict, timeout: float = 300) -> dict:
@@ -83,15 +81,18 @@ def test_extension_script_is_served(server):
 
 
 def test_text_to_image_workflow_runs(server, object_info):
-    prompt = ui_to_api(workflow("sjd_text_to_image_reference.json"), object_info)
+    prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
     with Listener(server) as listener:
         entry = run(server, prompt)
-    sampler = nodes_of(prompt, "SJDSampler")[0]
-    summary = entry["outputs"][sampler]["sjd_summary"][0]
-    trace = Trace.from_json(entry["outputs"][sampler]["sjd_trace"][0])
-    assert trace.summary() == summary
-    assert trace.slot_maps()["commit_iteration"].shape == (1, 16, 16)
-    assert int(trace.committed_per_iteration.sum()) == REFERENCE_CODES
+    sampler = nodes_of(prompt, "SJDSamplerV2")[0]
+    shown = entry["outputs"][sampler]
+    # /history holds the summary and the chart's series only, not the trace.
+    assert set(shown) == {"sjd_summary", "sjd_accepted", "sjd_text"}
+    summary = shown["sjd_summary"][0]
+    assert len(shown["sjd_accepted"]) == summary["iterations"]  # short runs are not thinned
+    assert [m["type"] for m in listener.events].count("sjd.done") == 0
+    executed = [m for m in listener.of("executed") if m["node"] == sampler]
+    assert len(executed) == 1 and executed[0]["output"] == shown
     assert summary["mode"] == "SJD+AC+PD+VP" and summary["lossless"]
     assert summary["slots_per_image"] == REFERENCE_CODES
     assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
@@ -106,36 +107,61 @@ def test_text_to_image_workflow_runs(server, object_info):
     saved = entry["outputs"][nodes_of(prompt, "SaveImage")[0]]["images"]
     assert len(saved) == 1
     pixels = fetch_image(server, saved[0])
-    assert pixels.shape[:2] == (32, 32)
+    assert pixels.shape[:2] == (256, 256)  # the 32 px image enlarged 8x by SJD Decode
     assert pixels.std() > 10, "the decoded image is flat"
+    assert np.array_equal(pixels[::8, ::8], pixels[7::8, 7::8])  # nearest neighbour
 
 
 def test_ar_and_pac_vp_side_by_side(server, object_info):
-    prompt = ui_to_api(workflow("sjd_ar_vs_pac_vp_reference.json"), object_info)
+    prompt = ui_to_api(workflow(AR_VS_PAC_VP), object_info)
     entry = run(server, prompt)
     summaries = {s["mode"]: s for s in (entry["outputs"][n]["sjd_summary"][0]
-                                        for n in nodes_of(prompt, "SJDSampler"))}
+                                        for n in nodes_of(prompt, "SJDSamplerV2"))}
     assert set(summaries) == {"AR", "SJD+AC+PD+VP"}
     assert summaries["AR"]["nfe"] == REFERENCE_CODES
     assert summaries["SJD+AC+PD+VP"]["nfe"] < REFERENCE_CODES
-    seeds = {prompt[n]["inputs"]["seed"] for n in nodes_of(prompt, "SJDSampler")}
+    seeds = {prompt[n]["inputs"]["seed"] for n in nodes_of(prompt, "SJDSamplerV2")}
     assert len(seeds) == 1
     for node in nodes_of(prompt, "SaveImage"):
-        assert fetch_image(server, entry["outputs"][node]["images"][0]).shape[:2] == (32, 32)
+        assert fetch_image(server, entry["outputs"][node]["images"][0]).shape[:2] == (256, 256)
     texts = []
     for node in nodes_of(prompt, "SJDDiagnostics"):
         shown = entry["outputs"][node]
         assert len(shown["images"]) == 4  # three heatmaps and the histogram
         heat = fetch_image(server, shown["images"][0])
-        assert heat.shape[:2] == (256, 256)  # the 32 px image enlarged 8x
+        assert heat.shape[1] == 256 and heat.shape[0] > 256  # map over the image + colour bar
         texts.append(shown["sjd_text"][0])
     measured = [t for t in texts if "speed-up over AR" in t and "measured" in t]
     assert len(measured) == 1, texts
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in OLD_WORKFLOWS.glob("*.json")))
+def test_workflows_saved_with_the_first_release_still_run(server, object_info, name):
+    prompt = ui_to_api(workflow(name, OLD_WORKFLOWS), object_info)
+    entry = run(server, prompt)
+    samplers = nodes_of(prompt, "SJDSampler")
+    assert samplers and all(entry["outputs"][n]["sjd_summary"][0]["slots_per_image"]
+                            == REFERENCE_CODES for n in samplers)
+    for node in nodes_of(prompt, "SaveImage"):
+        assert fetch_image(server, entry["outputs"][node]["images"][0]).shape[:2] == (32, 32)
+
+
+def test_a_bad_value_fails_with_the_packs_message(server, object_info):
+    prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
+    sampler = nodes_of(prompt, "SJDSamplerV2")[0]
+    prompt[sampler]["inputs"]["prompt"] = "a red sports car"
+    with Listener(server) as listener:
+        entry = server.wait(server.queue(prompt))
+    assert entry["status"]["status_str"] == "error"
+    (error,) = listener.of("execution_error")
+    assert error["node_id"] == sampler
+    assert error["exception_message"].startswith("SJD Sampler: prompt='a red sports car'")
+    assert "sneaker" in error["exception_message"]  # names what the model can draw
+
+
 def test_interrupt_mid_run_then_next_prompt_runs(server, object_info):
-    prompt = ui_to_api(workflow("sjd_text_to_image_reference.json"), object_info)
-    sampler = nodes_of(prompt, "SJDSampler")[0]
+    prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
+    sampler = nodes_of(prompt, "SJDSamplerV2")[0]
     long_run = json.loads(json.dumps(prompt))
     long_run[sampler]["inputs"].update(mode="AR", batch_size=4, seed=11)
     with Listener(server) as listener:
@@ -154,7 +180,7 @@ def test_interrupt_mid_run_then_next_prompt_runs(server, object_info):
     assert finished["outputs"][sampler]["sjd_summary"][0]["slots_per_image"] == REFERENCE_CODES
 
 
-@pytest.mark.parametrize("name", FAMILY_WORKFLOWS)
+@pytest.mark.parametrize("name", FAMILY_TEMPLATES)
 def test_family_workflow_says_where_to_put_the_checkpoint(server, object_info, name):
     graph = workflow(name)
     notes = [n for n in graph["nodes"] if n["type"] == "Note"]

@@ -1,34 +1,113 @@
-"""The main-job command and the heatmap pictures it draws."""
+"""The command-line tools (demo, benchmarks) and the heatmap pictures they draw."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from sjd_core.tools import demo
-from sjd_core.tools.figures import acceptance_figure, colourise, committed_together, heatmap, image_grid
+from sjd_core.tools import bench, demo
+from sjd_core.tools.cli import default_threads
+from sjd_core.tools.reference import benchmark
+from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
+                                   committed_together, heatmap, histogram_figure, image_grid,
+                                   labelled_panel)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("sjd_core.tools.demo", "sjd_core.tools.bench", "sjd_core.tools.reference.benchmark")
+
+
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """The tools set torch's thread count for the whole process: restore it for later tests."""
+    import torch
+
+    count = torch.get_num_threads()
+    yield
+    torch.set_num_threads(count)
 
 
 def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys):
     report = demo.main(["--prompt", "sneaker", "--out", str(tmp_path), "--window", "8",
-                        "--device", "cpu"])
+                        "--device", "cpu", "--threads", "1"])
     image, figure = Image.open(report["image"]), Image.open(report["heatmap"])
     assert report["image"] == str(tmp_path / "sneaker.png")
     assert report["heatmap"] == str(tmp_path / "sneaker_heatmap.png")
     assert image.size == (260, 260)  # 32 px scaled 8x, 2 px border
-    assert figure.size == (8 + 4 * (256 + 8), 28 + 256 + 16)  # image + three maps, 16 px per slot
+    panel = labelled_panel(np.zeros((256, 256, 3)), "t", (0, 1), "u")
+    assert figure.size == (8 + 4 * (256 + 8), panel.height + 16)  # image + three maps
     assert report["ar_nfe"] == 256 and report["nfe"] < 256
-    printed = capsys.readouterr().out
-    assert f"speed-up over AR: {report['speedup']:.2f}x wall-clock" in printed
+    printed = capsys.readouterr()
+    assert f"speed-up over AR: {report['speedup']:.2f}x wall-clock" in printed.out
+    assert "torch CPU threads: 1" in printed.out
+    # one progress bar per run (PAC+VP, then AR), each reaching all 256 codes with a rate and ETA
+    bars = printed.err.replace("\r", "\n")
+    for mode in ("SJD+AC+PD+VP 'sneaker'", "AR 'sneaker'"):
+        assert f"{mode}: 100%" in bars and "256/256 [" in bars and "code/s]" in bars
 
 
-def test_demo_rejects_unknown_prompts_and_bad_flags(tmp_path, capsys):
-    with pytest.raises(ValueError, match="names no known class"):
-        demo.main(["--prompt", "spaceship", "--out", str(tmp_path), "--no-baseline"])
-    with pytest.raises(SystemExit):
-        demo.main(["--batch", "0"])
-    assert "--batch=0 is not allowed" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        demo.main(["--mode", "fastest"])
+def test_demo_mode_ar_runs_ar_once(tmp_path, capsys, monkeypatch):
+    runs = []
+    original = demo.timed
+    monkeypatch.setattr(demo, "timed", lambda *a: runs.append(a[3].mode_name) or original(*a))
+    report = demo.main(["--prompt", "bag", "--mode", "ar", "--out", str(tmp_path), "--threads",
+                        "1"])
+    assert runs == ["AR"] and report["nfe"] == 256 and "speedup" not in report
+    assert "speed-up" not in capsys.readouterr().out
+
+
+def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
+    demo.main(["--prompt", "bag", "--mode", "ar", "--out", str(tmp_path)])
+    assert 1 <= default_threads() <= 4
+    assert f"torch CPU threads: {default_threads()} (--threads to change)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool, argv, expected", [
+    (demo, ["--prompt", "spaceship", "--no-baseline"], "prompt='spaceship' names no known class"),
+    (demo, ["--window", "0", "--no-baseline"], "window=0 is not allowed"),
+    (demo, ["--batch", "0"], "--batch=0 is not allowed"),
+    (demo, ["--mode", "fastest"], "argument --mode: invalid choice: 'fastest'"),
+    (bench, ["--window", "2", "--grid", "2"], "pd_depth=3 is not allowed"),
+    (bench, ["--grid", "0"], "--grid=0 is not allowed"),
+    (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
+    (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),
+])
+def test_mistakes_print_one_line_and_exit_2(tool, argv, expected, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        tool.main(argv + (["--out", str(tmp_path)] if tool is demo else []))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert err[0].startswith(f"python -m {tool.__name__}: error: ")
+    assert err[0].endswith("(run with --help for the options)") and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_help_answers_without_importing_torch(module):
+    code = (f"import sys, {module} as m\n"
+            "try:\n    m.main(['--help'])\nexcept SystemExit as stop:\n    assert stop.code == 0\n"
+            "print('torch' in sys.modules)")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    seconds = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("False"), "torch was imported to print --help"
+    assert "usage: python -m " in out.stdout
+    assert seconds < 2.0, f"{module} --help took {seconds:.1f} s"
+
+
+def test_benchmarks_show_a_progress_bar_per_image(capsys):
+    bench.main(["--grid", "4", "--codebook", "16", "--width", "16", "--layers", "1",
+                "--images", "2", "--threads", "1"])
+    bars = capsys.readouterr().err.replace("\r", "\n")
+    for seed in (0, 1):
+        assert f"AR 'a red fox in the snow' seed {seed}: 100%" in bars
+    assert "16/16 [" in bars and "code/s]" in bars
 
 
 def test_colour_ramp_and_heatmap_layout():
@@ -46,8 +125,9 @@ def test_colour_ramp_and_heatmap_layout():
 def test_acceptance_figure_and_grid():
     maps = {"commit_iteration": np.arange(32).reshape(2, 4, 4),
             "acceptance_probability": np.full((2, 4, 4), 0.5)}
-    figure = acceptance_figure(maps, image=np.zeros((8, 8, 3)), row=1, cell=10)
-    assert figure.size == (8 + 4 * (40 + 8), 28 + 40 + 16)
+    figure = acceptance_figure(maps, image=np.zeros((8, 8, 3)), row=1, cell=40)
+    panel = labelled_panel(np.zeros((160, 160, 3)), "t", (0, 1), "u")
+    assert figure.size == (8 + 4 * (160 + 8), panel.height + 16)
     with pytest.raises(ValueError, match="row=2 is not allowed"):
         acceptance_figure(maps, row=2)
     with pytest.raises(ValueError, match="lacks"):
@@ -56,3 +136,28 @@ def test_acceptance_figure_and_grid():
     assert together.tolist() == [[[2, 2, 1], [3, 3, 3]], [[1, 3, 3], [3, 2, 2]]]
     grid = image_grid(np.ones((5, 4, 4, 3)), columns=2, scale=3, gap=1)
     assert grid.size == (2 * 12 + 3, 3 * 12 + 4)
+
+
+def test_every_map_panel_has_a_colour_bar_with_unit_and_a_grey_legend():
+    tile = np.ones((200, 200, 3))
+    panel = np.asarray(labelled_panel(tile, "commit iteration", (0, 9), UNITS["commit_iteration"]))
+    bar = np.asarray(colour_bar(200, (0, 9), UNITS["commit_iteration"]))
+    strip = panel[-bar.shape[0]:]
+    assert np.array_equal(strip, bar)
+    ramp = colourise(np.array([0.0, 1.0])) * 255
+    row = strip[5, 2:198].astype(float)
+    assert np.abs(row[0] - ramp[0]).max() < 3 and np.abs(row[-1] - ramp[1]).max() < 3
+    assert (np.abs(strip.astype(int) - GREY).max(axis=-1) == 0).sum() > 20  # the grey swatch
+    blank = np.asarray(labelled_panel(tile, "commit iteration", (0, 9), None))
+    assert (blank[-bar.shape[0]:] == 255).all()  # no bar where no map is shown
+    assert not np.array_equal(np.asarray(colour_bar(200, (0, 9), "a")),
+                              np.asarray(colour_bar(200, (0, 9), "b")))  # the unit is written
+
+
+def test_histogram_has_bars_and_labelled_axes():
+    empty = np.asarray(histogram_figure([0, 0, 0], "AR"))
+    full = np.asarray(histogram_figure([5, 0, 1], "AR"))
+    teal = (np.abs(full.astype(int) - (33, 145, 140)).max(axis=-1) == 0)
+    assert teal.sum() > 500 and not (np.abs(empty.astype(int) - (33, 145, 140)).max(axis=-1) == 0).any()
+    dark = (full.min(axis=-1) < 100)
+    assert dark[:, :20].any() and dark[-22:].any()  # text of the y and x axis labels

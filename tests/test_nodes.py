@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,11 +33,16 @@ pack = _import_pack()
 from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
-from sjd_pack.nodes.sampler import acceleration_settings  # noqa: E402
+from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
+from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
+                                                 AccelerationSettings, SamplingSettings)
 from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
 
 Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
-Sampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
+Sampler = pack.NODE_CLASS_MAPPINGS["SJDSamplerV2"]
+AccelerationOptions = pack.NODE_CLASS_MAPPINGS["SJDAccelerationOptions"]
+SamplingOptions = pack.NODE_CLASS_MAPPINGS["SJDSamplingOptions"]
+LegacySampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
 Decode = pack.NODE_CLASS_MAPPINGS["SJDDecode"]
 Diagnostics = pack.NODE_CLASS_MAPPINGS["SJDDiagnostics"]
 GRID = (8, 8)
@@ -65,6 +71,15 @@ def sample(model: LoadedModel, **changes):
     return Sampler().sample(model, **values, unique_id="7")["result"]
 
 
+def acceleration(**changes):
+    """The object an SJD Acceleration Options node with these widget values sends."""
+    return AccelerationOptions().options(**(widget_defaults(AccelerationOptions) | changes))[0]
+
+
+def sampling(**changes):
+    return SamplingOptions().options(**(widget_defaults(SamplingOptions) | changes))[0]
+
+
 # ---------------------------------------------------------------- the pack as ComfyUI sees it
 
 def test_pack_imports_without_comfyui():
@@ -75,8 +90,9 @@ def test_pack_imports_without_comfyui():
             "[k for k in ('comfy', 'folder_paths', 'server') if k in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["['SJDDecode',", "'SJDDiagnostics',", "'SJDModelLoader',",
-                                  "'SJDSampler']", "./web", "[]"]
+    assert out.stdout.split() == ["['SJDAccelerationOptions',", "'SJDDecode',",
+                                  "'SJDDiagnostics',", "'SJDModelLoader',", "'SJDSampler',",
+                                  "'SJDSamplerV2',", "'SJDSamplingOptions']", "./web", "[]"]
     assert (REPO / "web" / "js" / "sjd_progress.js").is_file()
 
 
@@ -93,17 +109,35 @@ def test_every_node_documents_itself(name):
     assert page.read_text().startswith(f"# {pack.NODE_DISPLAY_NAME_MAPPINGS[name]}")
 
 
-def test_lossy_settings_say_so_and_seed_has_control_after_generate():
-    inputs = Sampler.INPUT_TYPES()["required"]
+def test_sampler_has_few_widgets_and_modes_come_from_the_presets():
+    inputs = Sampler.INPUT_TYPES()
+    assert list(inputs["required"]) == ["model", "prompt", "negative_prompt", "resolution",
+                                        "batch_size", "seed", "mode", "window"]
+    assert len(inputs["required"]) <= 10
+    assert inputs["required"]["mode"][0] == [name.upper() for name in PRESETS]
+    assert inputs["required"]["mode"][1]["default"] == DEFAULT_PRESET.upper()
+    assert inputs["required"]["window"][1]["default"] == AccelerationSettings().window
+    assert inputs["required"]["seed"][1]["control_after_generate"] is True
+    assert [spec[0] for spec in inputs["optional"].values()] == ["SJD_ACCELERATION",
+                                                                  "SJD_SAMPLING"]
+
+
+def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
+    fields = list(AccelerationSettings.__dataclass_fields__)
+    inputs = AccelerationOptions.INPUT_TYPES()["required"]
+    assert list(inputs) == [name for name in fields if name != "window"]
     lossy = [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
     assert len(lossy) == 6
-    assert all("LOSSY" in inputs[n][1]["tooltip"] for n in lossy)
-    assert not any("LOSSY" in spec[1].get("tooltip", "") for n, spec in inputs.items()
-                   if n not in lossy)
-    assert inputs["seed"][1]["control_after_generate"] is True
-    assert inputs["mode"][0] == ["PAC+VP", "PAC", "SJD", "AR", "custom"]
-
-
+    assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)
+    assert not any("LOSSY" in spec[1]["tooltip"] for n, spec in inputs.items() if n not in lossy)
+    for switch in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+        assert inputs[switch][0] == ["as mode", "on", "off"]
+    defaults = AccelerationSettings()
+    for name, spec in inputs.items():
+        if spec[0] != ["as mode", "on", "off"]:
+            assert spec[1]["default"] == getattr(defaults, name), name
+    assert list(SamplingOptions.INPUT_TYPES()["required"]) == list(
+        SamplingSettings.__dataclass_fields__)
 def test_install_metadata():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     comfy = meta["tool"]["comfy"]
@@ -154,27 +188,9 @@ def test_loader_refuses_a_folder_that_is_no_checkpoint(tmp_path, monkeypatch):
     assert "emu3" in str(error.value)  # lists what each family expects on disk
 
 
-def test_loader_refuses_unknown_weights():
-    with pytest.raises(ValueError, match=r"weights='int3' is not allowed.*'auto', 'bf16', 'fp16', 'fp32', 'int8', 'int4'"):
-        Loader().load(REFERENCE, "int3")
-
-
-def test_loader_weights_widget_keeps_saved_dtype_choices():
-    """The `weights` widget sits where `dtype` was and accepts every value `dtype` had."""
-    required = list(Loader.INPUT_TYPES()["required"])
-    assert required == ["model", "weights", "placement"]
-    assert {"auto", "bf16", "fp16", "fp32"} <= set(Loader.INPUT_TYPES()["required"]["weights"][0])
-    loaded, info = Loader().load(REFERENCE, dtype="fp32")  # a call made with the former name
-    assert loaded.dtype == torch.float32 and "family reference, float32 on" in info
-
-
-def test_loader_int8_reference_model(reference):
-    pytest.importorskip("torchao")
-    loaded, info = Loader().load(REFERENCE, "int8")
-    assert loaded.patcher is None and "int8 weights computing in float32" in info
-    plain, _ = reference
-    assert type(plain.model.network.model.layers[0].mlp.up_proj.weight) is torch.nn.Parameter
-    assert type(loaded.model.network.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter
+def test_loader_refuses_unknown_dtype():
+    with pytest.raises(ValueError, match=r"dtype='int8' is not allowed.*'auto', 'bf16'"):
+        Loader().load(REFERENCE, "int8")
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +203,6 @@ def test_loader_loads_the_embedded_reference_model(reference):
     assert loaded.family == "reference" and loaded.dtype == torch.float32
     assert loaded.patcher is None  # no ComfyUI here, nothing to manage it
     assert "32x32" in info and "family reference" in info
-    assert "official recipes: trained (default): guidance 2.0" in info
 
 
 def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
@@ -210,9 +225,13 @@ def test_sample_decode_diagnose(synthetic):
     (images,) = Decode().decode(codes)
     assert images.shape == (1, *GRID, 3) and images.dtype == torch.float32
     assert 0 <= float(images.min()) and float(images.max()) <= 1
+    (large,) = Decode().decode(codes, "8")
+    assert large.shape == (1, GRID[0] * 8, GRID[1] * 8, 3)
+    assert torch.equal(large[:, ::8, ::8], images) and torch.equal(large[:, 7::8, 7::8], images)
     out = Diagnostics().diagnose(trace, 0.5, images)
     commit, waited, probability, histogram, text = out["result"]
-    assert commit.shape == waited.shape == probability.shape == (1, 256, 256, 3)
+    assert commit.shape == waited.shape == probability.shape
+    assert commit.shape[0] == 1 and commit.shape[2] == 256 and commit.shape[1] > 256 + 40
     assert histogram.shape[0] == 1 and histogram.shape[-1] == 3
     assert out["ui"]["images"] == []  # nowhere to show previews outside ComfyUI
     assert f"NFE {summary['nfe']:.1f}" in text and "step compression" in text
@@ -230,43 +249,120 @@ def test_same_seed_same_codes_and_batch_rows_follow_their_seeds(synthetic):
     assert torch.equal(batch[1:], sample(synthetic, prompt="p", seed=6)[0].codes)
 
 
-@pytest.mark.parametrize("mode, name", [("AR", "AR"), ("SJD", "SJD"), ("PAC", "SJD+AC+PD"),
-                                        ("PAC+VP", "SJD+AC+PD+VP")])
-def test_presets(mode, name):
-    values = widget_defaults(Sampler)
-    settings = acceleration_settings(mode, *[values[k] for k in (
-        "window", "init", "adaptive_continuation", "proactive_drafting", "pd_candidates",
-        "pd_depth", "verification_prediction", "vp_rises", "vp_top_k", "vp_decay", "relaxed",
-        "lantern_neighbours", "lantern_delta", "gsd_rank_radius", "gsd_prob_tolerance",
-        "gsd_embedding_tolerance")])
-    assert settings.mode_name == name
-    assert settings.window == (1 if mode == "AR" else values["window"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_as_its_settings_say(synthetic, preset):
+    expected = AccelerationSettings.preset(preset)
+    if expected.window > 1:
+        expected = AccelerationSettings.preset(preset, window=8)
+    _, trace, line = sample(synthetic, mode=preset.upper(), window=8)
+    assert trace.run.mode == expected.mode_name and line.startswith(expected.mode_name)
 
 
-def test_custom_mode_uses_the_toggles(synthetic):
-    _, trace, line = sample(synthetic, mode="custom", adaptive_continuation=False,
-                            proactive_drafting=False, verification_prediction=True,
-                            relaxed="lantern", window=8)
+def test_settings_travel_as_objects(synthetic):
+    options = acceleration(adaptive_continuation="off", proactive_drafting="off",
+                           verification_prediction="on", relaxed="lantern")
+    assert options.overrides["verification_prediction"] is True
+    assert options.overrides["adaptive_continuation"] is False
+    _, trace, line = sample(synthetic, mode="PAC", window=8, acceleration=options)
     assert trace.run.mode == "SJD+VP+LANTERN" and "(LOSSY)" in line
+    as_mode = acceleration()
+    assert not {"adaptive_continuation", "proactive_drafting", "verification_prediction"} & set(
+        as_mode.overrides)
+    _, trace, _ = sample(synthetic, mode="SJD", window=8, acceleration=as_mode)
+    assert trace.run.mode == "SJD"
+    greedy = sampling(top_k=1)
+    assert isinstance(greedy, SamplingSettings) and greedy.top_k == 1 and greedy.guidance == 3.0
+    first = sample(synthetic, prompt="p", seed=1, sampling=greedy)[0].codes
+    assert torch.equal(first, sample(synthetic, prompt="p", seed=2, sampling=greedy)[0].codes)
+
+
+def test_without_sampling_options_the_family_recipe_is_used(reference):
+    loaded = reference[0]
+    recipe = loaded.model.defaults
+    explicit = sampling(guidance=recipe.guidance, temperature=recipe.temperature,
+                        top_k=recipe.top_k, top_p=recipe.top_p)
+    plain = sample(loaded, prompt="bag", seed=4)[0].codes
+    assert torch.equal(plain, sample(loaded, prompt="bag", seed=4, sampling=explicit)[0].codes)
 
 
 @pytest.mark.parametrize("changes, expected", [
-    (dict(mode="AR", relaxed="lantern"), ["mode=AR", "relaxed='lantern'", "SJD, PAC, PAC+VP"]),
-    (dict(mode="custom", window=1), ["mode=custom", "adaptive_continuation", "raise window"]),
-    (dict(mode="PAC", window=4, pd_depth=6), ["pd_depth=6", "window (4)"]),
+    (dict(mode="AR", acceleration=dict(relaxed="lantern")),
+     ["SJD Sampler: mode=AR", "relaxed='lantern'", "speculative mode such as SJD"]),
+    (dict(mode="PAC", window=4, acceleration=dict(pd_depth=6)), ["pd_depth=6", "window (4)"]),
+    (dict(mode="SJD", window=1, acceleration=dict(verification_prediction="on")),
+     ["verification_prediction=True", "raise window"]),
     (dict(resolution="768x768"), ["resolution=768x768", "synthetic", "pick one of 8x8"]),
-    (dict(sampling="custom", top_p=0.0), ["top_p=0.0", "(0, 1]"]),
-    (dict(sampling="custom", temperature=0.0), ["temperature=0.0", "top_k=1"]),
+    (dict(resolution="huge"), ["resolution='huge'", "WIDTHxHEIGHT"]),
     (dict(mode="turbo"), ["mode='turbo'", "PAC+VP"]),
     (dict(batch_size=0), ["batch_size=0", ">= 1"]),
 ])
 def test_sampler_bad_inputs_say_what_to_do(synthetic, changes, expected):
+    if "acceleration" in changes:
+        changes["acceleration"] = acceleration(**changes["acceleration"])
     with pytest.raises(ValueError) as error:
         sample(synthetic, **changes)
     message = str(error.value)
     assert message.startswith("SJD Sampler:")
     for part in expected:
         assert part in message, message
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(top_p=0.0), ["SJD Sampling Options:", "top_p=0.0", "(0, 1]"]),
+    (dict(temperature=0.0), ["SJD Sampling Options:", "temperature=0.0", "top_k=1"]),
+])
+def test_sampling_options_report_bad_values_on_their_own_node(changes, expected):
+    with pytest.raises(ValueError) as error:
+        sampling(**changes)
+    for part in expected:
+        assert part in str(error.value)
+
+
+def test_ui_payload_is_bounded_and_the_trace_goes_through_the_output():
+    torch.manual_seed(0)
+    big = LoadedModel(SyntheticModel(codebook_size=8, grid=(90, 90), width=16, sharpness=6.0),
+                      None, "synthetic 90x90", torch.float32)
+    values = widget_defaults(Sampler) | dict(prompt="p", batch_size=4, mode="SJD", window=4)
+    out = Sampler().sample(big, **values, unique_id="3")
+    ui = out["ui"]
+    assert set(ui) == {"sjd_summary", "sjd_accepted", "sjd_text"}
+    iterations = ui["sjd_summary"][0]["iterations"]
+    assert iterations > CHART_POINTS and len(ui["sjd_accepted"]) == CHART_POINTS
+    trace = out["result"][1].trace
+    assert trace.slot_maps()["commit_iteration"].shape == (4, 90, 90)
+    assert len(json.dumps(ui)) < 8_000 < len(trace.to_json()) // 100
+    # the series keeps the mean: total codes / steps, within rounding
+    assert abs(sum(ui["sjd_accepted"]) / CHART_POINTS
+               - sum(trace.accepted_lengths()) / 4 / iterations) < 0.1
+
+
+OLD_WIDGETS = dict(prompt="p", negative_prompt="", resolution="default", batch_size=1, seed=5,
+                   sampling="family recipe", guidance=3.0, temperature=1.0, top_k=0, top_p=1.0,
+                   mode="custom", window=8, init="uniform", adaptive_continuation=False,
+                   proactive_drafting=False, verification_prediction=True, vp_rises=3,
+                   vp_top_k=50, vp_decay=0.5, relaxed="none", lantern_neighbours=1000,
+                   lantern_delta=0.1, gsd_rank_radius=7, gsd_prob_tolerance=0.15,
+                   gsd_embedding_tolerance=0.5, pd_candidates=4, pd_depth=3)
+
+
+def test_old_all_in_one_sampler_still_runs_and_matches_the_new_one(synthetic):
+    assert LegacySampler.DEPRECATED is True
+    assert list(LegacySampler.INPUT_TYPES()["required"]) == [
+        "model", "prompt", "negative_prompt", "resolution", "batch_size", "seed", "sampling",
+        "guidance", "temperature", "top_k", "top_p", "mode", "window", "init",
+        "adaptive_continuation", "proactive_drafting", "pd_candidates", "pd_depth",
+        "verification_prediction", "vp_rises", "vp_top_k", "vp_decay", "relaxed",
+        "lantern_neighbours", "lantern_delta", "gsd_rank_radius", "gsd_prob_tolerance",
+        "gsd_embedding_tolerance"]  # the saved order of widget values
+    old = LegacySampler().sample(synthetic, unique_id="1", **OLD_WIDGETS)["result"]
+    new = sample(synthetic, prompt="p", seed=5, mode="SJD", window=8,
+                 acceleration=acceleration(verification_prediction="on"))
+    assert old[1].run.mode == new[1].run.mode == "SJD+VP"
+    assert torch.equal(old[0].codes, new[0].codes)
+    with pytest.raises(ValueError, match=r"SJD Sampler \(all options, old\): mode=AR.*SJD, PAC"):
+        LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(mode="AR", relaxed="gsd")))
+    with pytest.raises(ValueError, match="sampling='best'"):
+        LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(sampling="best")))
 
 
 def test_cancel_stops_within_one_step_and_the_model_still_works(synthetic, monkeypatch):
@@ -287,6 +383,12 @@ def test_cancel_stops_within_one_step_and_the_model_still_works(synthetic, monke
     monkeypatch.undo()
     codes, trace, _ = sample(synthetic, mode="AR", seed=1)
     assert trace.trace.summary()["nfe"] == GRID[0] * GRID[1]
+
+
+def test_decode_refuses_an_upscale_it_does_not_offer(synthetic):
+    codes = sample(synthetic, prompt="p")[0]
+    with pytest.raises(ValueError, match=r"SJD Decode: upscale='3' is not allowed.*'1', '2', '4', '8'"):
+        Decode().decode(codes, "3")
 
 
 def test_diagnostics_measures_speed_up_against_an_ar_baseline(synthetic):
@@ -320,39 +422,87 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 
 # ---------------------------------------------------------------- example workflows
 
-def test_workflows_are_ui_graphs_of_known_nodes():
-    folder = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
-    files = sorted(folder.glob("*.json"))
-    assert len(files) == 7
+TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
+TEXT_TO_IMAGE = "SJD text to image (reference)"
+AR_VS_PAC_VP = "SJD AR vs PAC+VP (reference)"
+FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Emu3 text to image",
+                    "SJD Janus-Pro text to image", "SJD LlamaGen class to image")
+UNSAFE_IN_FILE_NAMES = set('<>:"/\\|?*#%&')
+
+
+def widget_names(cls: type) -> list[str]:
+    """The names behind a saved node's widget values, in order (seed has its control after it)."""
+    names = []
+    for section in ("required", "optional"):
+        for name, spec in cls.INPUT_TYPES().get(section, {}).items():
+            if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN"):
+                names.append(name)
+                if spec[1].get("control_after_generate"):
+                    names.append("control_after_generate")
+    return names
+
+
+def saved_widgets(node: dict) -> dict:
+    return dict(zip(widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]]), node["widgets_values"]))
+
+
+def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
+    files = sorted(TEMPLATES.glob("*.json"))
+    assert sorted(f.stem for f in files) == sorted([TEXT_TO_IMAGE, AR_VS_PAC_VP, *FAMILY_TEMPLATES])
     for path in files:
+        # The current template browser shows a custom node's template under its file name, with
+        # the .jpg of the same name as its thumbnail.
+        assert path.stem.startswith("SJD ") and not set(path.stem) & UNSAFE_IN_FILE_NAMES
+        assert len(path.stem) <= 34, f"{path.stem!r}: the template card cuts titles this long"
+        thumbnail = path.with_suffix(".jpg")
+        with Image.open(thumbnail) as picture:
+            assert picture.format == "JPEG" and min(picture.size) >= 256, path.name
         graph = json.loads(path.read_text())
         ids = {n["id"] for n in graph["nodes"]}
         for link_id, origin, _, target, _, kind in graph["links"]:
             assert origin in ids and target in ids, path.name
         types = {n["type"] for n in graph["nodes"]}
         assert types <= set(pack.NODE_CLASS_MAPPINGS) | {"SaveImage", "Note"}, path.name
+        assert "SJDSampler" not in types, f"{path.name} uses the old all-in-one sampler"
         for node in graph["nodes"]:
-            if node["type"] == "SJDSampler":
-                widgets = [n for n, s in Sampler.INPUT_TYPES()["required"].items()
-                           if n != "model"]
-                assert len(node["widgets_values"]) == len(widgets) + 1  # + seed control
+            if node["type"] in pack.NODE_CLASS_MAPPINGS:
+                names = widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]])
+                assert len(node["widgets_values"]) == len(names), (path.name, node["type"])
 
 
-def test_reference_workflows_use_the_embedded_model_and_the_advertised_modes():
-    def samplers(name):
-        graph = json.loads((REPO / "workflows" / name).read_text())
-        loaders = [n for n in graph["nodes"] if n["type"] == "SJDModelLoader"]
-        assert [n["widgets_values"][0] for n in loaders] == [REFERENCE]
-        names = [n for n, s in Sampler.INPUT_TYPES()["required"].items() if n != "model"]
-        names.insert(names.index("seed") + 1, "control_after_generate")
-        return [dict(zip(names, n["widgets_values"])) for n in graph["nodes"]
-                if n["type"] == "SJDSampler"]
+def test_template_category_is_named_after_the_pack():
+    from comfyui_harness import PACK_DIR_NAME
 
-    (single,) = samplers("sjd_text_to_image_reference.json")
-    assert single["mode"] == "PAC+VP" and single["relaxed"] == "none"
-    pair = samplers("sjd_ar_vs_pac_vp_reference.json")
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    locale = json.loads((REPO / "locales" / "en" / "main.json").read_text())
+    assert meta["project"]["name"] == PACK_DIR_NAME  # the folder a registry install creates
+    assert locale["templateWorkflows"]["category"] == {
+        PACK_DIR_NAME: meta["tool"]["comfy"]["DisplayName"]}
+
+
+def test_reference_templates_use_the_embedded_model_the_advertised_modes_and_upscale_8():
+    def nodes(name, kind):
+        graph = json.loads((TEMPLATES / f"{name}.json").read_text())
+        return [saved_widgets(n) for n in graph["nodes"] if n["type"] == kind]
+
+    for name in (TEXT_TO_IMAGE, AR_VS_PAC_VP):
+        assert [n["model"] for n in nodes(name, "SJDModelLoader")] == [REFERENCE]
+        assert {n["upscale"] for n in nodes(name, "SJDDecode")} == {"8"}
+    (single,) = nodes(TEXT_TO_IMAGE, "SJDSamplerV2")
+    assert single["mode"] == "PAC+VP"
+    (options,) = nodes(TEXT_TO_IMAGE, "SJDAccelerationOptions")
+    assert options["relaxed"] == "none"
+    pair = nodes(AR_VS_PAC_VP, "SJDSamplerV2")
     assert sorted(s["mode"] for s in pair) == ["AR", "PAC+VP"]
     assert pair[0]["seed"] == pair[1]["seed"] and pair[0]["prompt"] == pair[1]["prompt"]
+
+
+def test_first_release_workflows_keep_their_sampler_layout():
+    for path in sorted((Path(__file__).parent / "old_workflows").glob("*.json")):
+        graph = json.loads(path.read_text())
+        for node in graph["nodes"]:
+            if node["type"] == "SJDSampler":
+                assert len(node["widgets_values"]) == len(widget_names(LegacySampler)) == 28
 
 
 def test_models_folder_comes_from_the_environment_outside_comfyui(tmp_path, monkeypatch):

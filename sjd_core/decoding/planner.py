@@ -144,6 +144,14 @@ def _menu(settings: AccelerationSettings, device: torch.device) -> list[DraftTre
     return shapes
 
 
+def largest_shape(settings: AccelerationSettings) -> int:
+    """The most nodes one forward of ``settings`` feeds (for ``auto``, over its whole menu)."""
+    device = torch.device("cpu")
+    if settings.adaptive_shape:
+        return max(tree.size for tree in _menu(settings, device))
+    return DraftTree.for_settings(settings, device).size
+
+
 class AutoPlan:
     """Cost-aware speculation: the shape expected to commit the most codes per second."""
 

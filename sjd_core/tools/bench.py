@@ -2,14 +2,16 @@
 
     python -m sjd_core.tools.bench --threads 1                       # the embedded reference model
     python -m sjd_core.tools.bench --model synthetic --images 1      # a random 48x48 model
-    python -m sjd_core.tools.bench --batch 4 --json bench.json
+    python -m sjd_core.tools.bench --threads 1 --batch 4 --json bench.json
 
 For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
 slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
 speed-up against plain autoregression (AR), step compression and the share of the time spent
 outside the network. On the reference model transformers' own ``generate()`` (with its
 classifier-free guidance, temperature and top-p: the same target distribution) runs too, as an
-outside reference; every speed-up is against the faster of the two ARs.
+outside reference; every speed-up is against the faster of the two ARs. A progress bar with ETA
+follows each image; a bad setting prints one line and exits with code 2. ``measure`` and
+``format_table`` are shared with the reference-model benchmark.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..decoding.engine import generate
 from ..decoding.settings import AccelerationSettings, SamplingSettings
-from ..models.protocol import GenerationRequest, ImageTokenModel
+from .cli import ArgumentParser, ImageProgress, run_command, set_threads
+
+if TYPE_CHECKING:
+    from ..models.protocol import GenerationRequest, ImageTokenModel
+
+PROG = "python -m sjd_core.tools.bench"
 
 MODES: dict[str, AccelerationSettings] = {
     "AR": AccelerationSettings.preset("ar"),
@@ -53,6 +58,49 @@ class ModeTimes:
         self.network.append(network)
 
 
+def timed(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
+          acceleration: AccelerationSettings, seed: int):
+    """``generate`` with a progress bar; returns the result and its wall-clock seconds."""
+    from ..decoding.engine import generate
+
+    bar = ImageProgress(f"{acceleration.mode_name} {request.prompt!r} seed {seed}")
+    start = time.perf_counter()
+    try:
+        result = generate(model, request, sampling, acceleration, seed=seed, on_iteration=bar)
+    finally:
+        bar.close()
+    return result, time.perf_counter() - start
+
+
+def measure(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
+            acceleration: AccelerationSettings, seeds: Sequence[int]) -> dict:
+    """Generate one batch per seed and time the whole calls.
+
+    Returns codes (N, H, W), wall ``seconds`` (prefill and set-up included), ``forward_share``
+    of that time spent in the network, and the mean NFE, step compression and accepted length
+    over the images.
+    """
+    import numpy as np
+    import torch
+
+    codes, summaries, seconds = [], [], 0.0
+    for seed in seeds:
+        result, spent = timed(model, request, sampling, acceleration, seed)
+        seconds += spent
+        codes.append(result.codes)
+        summaries.append(result.trace.summary())
+    forward = sum(s["forward_seconds"] for s in summaries)
+    return {
+        "codes": torch.cat(codes),
+        "summaries": summaries,
+        "seconds": seconds,
+        "forward_share": forward / seconds if seconds > 0 else 0.0,
+        "nfe": float(np.mean([s["nfe"] for s in summaries])),
+        "step_compression": float(np.mean([s["step_compression"] for s in summaries])),
+        "mean_accepted_length": float(np.mean([s["mean_accepted_length"] for s in summaries])),
+    }
+
+
 def format_table(rows: list[dict[str, str]], columns: Sequence[str]) -> str:
     """A plain-text table with one line per row and aligned columns."""
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
@@ -71,6 +119,8 @@ def transformers_generate(model: ImageTokenModel, prompt: str, batch: int,
     per row and so gives the same softmax), class tokens suppressed, then temperature, top-k,
     top-p. Only the embedded reference model (a plain ``LlamaForCausalLM``) runs this way.
     """
+    import torch
+
     net, codes = model.network, model.codebook_size
     token = model.class_offset + model.class_of(prompt) if prompt else model.null_token
     ids = torch.full((batch, 1), token, device=model.device)
@@ -93,6 +143,8 @@ def run(model: ImageTokenModel, modes: dict[str, AccelerationSettings],
         sampling: SamplingSettings, prompts: Sequence[str], batch: int, seed: int,
         with_generate: bool, progress: Callable[[str], None] = print) -> dict[str, ModeTimes]:
     """Every mode on every prompt (one batch each, seeds ``seed + i * batch``), interleaved."""
+    from ..models.protocol import GenerationRequest
+
     times = {name: ModeTimes() for name in ([GENERATE] if with_generate else []) + list(modes)}
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
@@ -102,9 +154,7 @@ def run(model: ImageTokenModel, modes: dict[str, AccelerationSettings],
             times[GENERATE].add(seconds, float(model.grid[0] * model.grid[1]), float("nan"))
         for name, acceleration in modes.items():
             request = GenerationRequest(prompt=prompt, batch_size=batch)
-            start = time.perf_counter()
-            result = generate(model, request, sampling, acceleration, seed=image_seed)
-            seconds = time.perf_counter() - start
+            result, seconds = timed(model, request, sampling, acceleration, image_seed)
             summary = result.trace.summary()
             times[name].add(seconds, summary["nfe"], summary["forward_seconds"])
         done = index + 1
@@ -147,8 +197,7 @@ def table(records: list[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.bench",
-                                     description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="reference",
                         help="'reference' (the embedded model), 'synthetic' (a random 48x48 "
                              "model) or a checkpoint folder (default: %(default)s)")
@@ -161,15 +210,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated modes (default: all: {','.join(MODES)})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the records to this file")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="default: CUDA if present, else CPU")
     parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (0: torch's choice); 1 keeps timings steady")
+                        help="CPU threads for torch (default 0: the usable cores, at most 4); 1 "
+                             "keeps timings steady on a machine that is busy with other work")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
-        parser.error(f"--modes: {unknown} not allowed; pick from {list(MODES)}")
-    if args.images < 1 or args.batch < 1:
-        parser.error(f"--images={args.images} and --batch={args.batch} must be >= 1")
+        parser.error(f"--modes={args.modes!r} is not allowed: {unknown} are not modes; pick "
+                     f"from {list(MODES)}")
+    for flag in ("images", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}={getattr(args, flag)} is not allowed: it must be >= 1")
     return args
 
 
@@ -190,10 +242,17 @@ def load(name: str, device: str) -> tuple[ImageTokenModel, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """Command-line entry point: one line and exit code 2 for a bad setting."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, names = load(args.model, args.device)
+    return run_command(PROG, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    threads = set_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, names = load(args.model, device)
     recipe = model.defaults
     sampling = SamplingSettings(guidance=recipe.guidance, temperature=recipe.temperature,
                                 top_k=recipe.top_k, top_p=recipe.top_p)
@@ -202,12 +261,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: MODES[name] for name in args.modes.split(",")}
     with_generate = getattr(model, "family", "") == "reference"
-    print(f"{args.model} model, {args.device}, {torch.get_num_threads()} thread(s), {sampling}, "
+    print(f"{args.model} model, {device}, {threads} torch CPU thread(s), {sampling}, "
           f"{args.images} batch(es) of {args.batch} per mode", flush=True)
     times = run(model, modes, sampling, prompts, args.batch, args.seed, with_generate,
                 progress=lambda line: print(line, flush=True))
-    slots = model.grid_for(None)[0] * model.grid_for(None)[1]
-    records = summarise(times, slots, args.batch)
+    height, width = model.grid_for(None)
+    records = summarise(times, height * width, args.batch)
     print(table(records))
     if with_generate and "AR" in times:
         ours, theirs = (statistics.median(times[n].seconds) for n in ("AR", GENERATE))

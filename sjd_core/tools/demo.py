@@ -9,8 +9,14 @@ with plain autoregression (AR) from the same seeds, then writes
 * ``OUT/NAME.png``: the images, one row per prompt, one column per batch row;
 * ``OUT/NAME_heatmap.png``: the first image with its per-slot acceptance maps;
 
-and prints forward passes and wall-clock time of both modes and the speed-up. Lossless modes
-draw from the same distribution as AR, not the same sample: the two images of one seed differ.
+and prints forward passes and wall-clock time of both modes and the speed-up (``--mode ar`` runs
+AR once and prints no comparison). Lossless modes draw from the same distribution as AR, not the
+same sample: the two images of one seed differ. A progress bar with ETA shows each batch; the
+torch thread count is printed (``--threads``, default: the usable cores, at most 4), so printed
+timings can be repeated. Mistakes (an unknown prompt, a bad setting) print one line and exit
+with code 2.
+
+torch and the models are imported after the arguments are read, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -19,32 +25,32 @@ import argparse
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+from ..decoding.settings import DEFAULT_PRESET, PRESETS, AccelerationSettings
+from .cli import ArgumentParser, ImageProgress, run_command, set_threads
 
-from ..decoding.engine import GenerationResult, generate
-from .figures import acceptance_figure, image_grid
-from ..models.registry import load_model
-from ..models.protocol import GenerationRequest, ImageTokenModel
-from ..models.reference import WEIGHTS_DIR
-from ..decoding.settings import PRESETS, AccelerationSettings, SamplingSettings
+if TYPE_CHECKING:
+    from ..decoding.engine import GenerationResult
+    from ..decoding.settings import SamplingSettings
+    from ..models.protocol import GenerationRequest, ImageTokenModel
 
+PROG = "python -m sjd_core.tools.demo"
 DEFAULT_PROMPT = "ankle boot"
 DEFAULT_OUT = "output"
 PREVIEW_PIXELS = 256  # small images are scaled up (nearest neighbour) to about this size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.tools.demo",
+    parser = ArgumentParser(
+        prog=PROG,
         description="Generate images with speculative Jacobi decoding and compare with plain "
                     "autoregression in the same run. Writes the images and an acceptance heatmap.")
     parser.add_argument("--prompt", nargs="+", default=[DEFAULT_PROMPT],
                         help="one or more prompts; for the embedded model a Fashion-MNIST class "
                              "name or synonym, e.g. sneaker, 'ankle boot', bag "
                              f"(default: {DEFAULT_PROMPT!r})")
-    parser.add_argument("--mode", default="pac+vp", choices=PRESETS,
+    parser.add_argument("--mode", default=DEFAULT_PRESET, choices=PRESETS,
                         help="accelerated mode to run (default: %(default)s)")
     parser.add_argument("--window", type=int, default=AccelerationSettings.window,
                         help="slots drafted per forward pass (default: %(default)s; "
@@ -56,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=None, help="(default: the model's)")
     parser.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's)")
     parser.add_argument("--top-p", type=float, default=None, help="1.0 = off (default: the model's)")
-    parser.add_argument("--model", default=str(WEIGHTS_DIR),
+    parser.add_argument("--model", default=None,
                         help="checkpoint folder (default: the embedded reference model)")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: CUDA if present)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
@@ -67,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"{PREVIEW_PIXELS} px per image)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the AR run (no speed-up is printed)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (default 0: the usable cores, at most 4)")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch={args.batch} is not allowed: it must be >= 1")
@@ -80,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sampling_settings(model: ImageTokenModel, args: argparse.Namespace) -> SamplingSettings:
     """The model's own sampling recipe, with the flags the user gave on top."""
+    from ..decoding.settings import SamplingSettings
+
     chosen = {"guidance": args.guidance, "temperature": args.temperature, "top_k": args.top_k,
               "top_p": args.top_p}
     defaults = model.defaults
@@ -94,22 +103,45 @@ def slug(text: str) -> str:
 
 def timed(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
           acceleration: AccelerationSettings, seed: int) -> tuple[GenerationResult, float]:
-    """``generate`` and its wall-clock seconds."""
+    """``generate`` and its wall-clock seconds, with a progress bar."""
+    from ..decoding.engine import generate
+
+    label = f"{acceleration.mode_name} {request.prompt!r}"
+    bar = ImageProgress(label)
     started = time.perf_counter()
-    result = generate(model, request, sampling, acceleration, seed)
+    try:
+        result = generate(model, request, sampling, acceleration, seed, on_iteration=bar)
+    finally:
+        bar.close()
     return result, time.perf_counter() - started
 
 
-@torch.inference_mode()
 def run(args: argparse.Namespace) -> dict:
     """Generate, compare with AR, write both PNGs; returns the paths and measured numbers."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device)
+    import torch
+
+    with torch.inference_mode():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from ..decoding.engine import generate
+    from ..models.protocol import GenerationRequest
+    from ..models.reference import WEIGHTS_DIR
+    from ..models.registry import load_model
+    from .figures import acceptance_figure, image_grid
+
+    threads = set_threads(args.threads)
+    print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
+    model = load_model(args.model or WEIGHTS_DIR, device=args.device)
     sampling = sampling_settings(model, args)
-    fast = AccelerationSettings.preset(args.mode, **({} if args.mode == "ar" else
-                                                     {"window": args.window}))
+    fast = AccelerationSettings.preset(args.mode)
+    if fast.window > 1:
+        fast = AccelerationSettings.preset(args.mode, window=args.window)
     baseline = AccelerationSettings.preset("ar")
+    compare = not args.no_baseline and fast != baseline
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
     # Warm-up (one-time allocations, lazy initialisation) so neither timed mode pays for it.
@@ -126,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         images.append(decoded)
         if first is None:
             first = (result, decoded[0])
-        if not args.no_baseline:
+        if compare:
             reference, seconds = timed(model, request, sampling, baseline, args.seed)
             totals["ar"][0] += seconds
             totals["ar"][1] += reference.trace.summary()["iterations"]
@@ -150,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{fast.mode_name}: {totals['fast'][1]:.0f} forward passes, {totals['fast'][0]:.2f} s "
           f"for {batches} image(s) of {summary['slots_per_image']} codes "
           f"(window {fast.window}, {sampling})")
-    if not args.no_baseline:
+    if compare:
         report.update(ar_seconds=totals["ar"][0], ar_nfe=totals["ar"][1],
                       speedup=totals["ar"][0] / totals["fast"][0])
         print(f"AR: {totals['ar'][1]:.0f} forward passes, {totals['ar'][0]:.2f} s, same prompts "
@@ -162,8 +194,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Command-line entry point."""
-    return run(parse_args(argv))
+    """Command-line entry point: one line and exit code 2 for a bad prompt or setting."""
+    args = parse_args(argv)
+    return run_command(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

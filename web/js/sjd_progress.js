@@ -1,12 +1,17 @@
-// Live chart of codes accepted per step on the SJD Sampler node, and the run summary on both the
-// sampler and the diagnostics node. Fed by the sampler's "sjd.progress" / "sjd.done" messages.
-// Drawn in DOM widgets, so it shows in the classic canvas and in the Vue-nodes mode alike.
+// Live chart of codes accepted per step on the SJD Sampler node, the run summary on both the
+// sampler and the diagnostics node, and the pack's error message, in red, on the node that
+// failed. Fed by the sampler's "sjd.progress" messages and the node's own output when it
+// finishes. Drawn in DOM widgets, so it shows in the classic canvas and in the Vue-nodes mode
+// alike.
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
-const SAMPLER = "SJDSampler";
+// The sampler and the first release's all-in-one sampler, which old workflows still use.
+const SAMPLERS = new Set(["SJDSamplerV2", "SJDSampler"]);
 const DIAGNOSTICS = "SJDDiagnostics";
-const CHART_HEIGHT = 120;
+const CHART_HEIGHT = 90;
+const ERROR_COLOUR = "#ff4d4d";
+const ERROR_HEIGHT = 100; // room for about seven lines of an error message
 
 // Node ids arrive as strings: "5" in the root graph, "5:3" for node 3 inside subgraph node 5.
 function findNode(id) {
@@ -22,18 +27,42 @@ function findNode(id) {
   return node;
 }
 
-function makeBox(node, name, minHeight) {
+// A DOM widget of ``height`` pixels, plus room for the error line while it shows one.
+function makeBox(node, name, height) {
   const box = document.createElement("div");
   box.className = name.replace("_", "-");
   box.style.cssText =
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
+  const total = () => height + (box.querySelector(".sjd-error:not([hidden])") ? ERROR_HEIGHT : 0);
   node.addDOMWidget(name, "sjd-" + name, box, {
     serialize: false,
-    getMinHeight: () => minHeight,
-    getHeight: () => minHeight,
+    getMinHeight: total,
+    getHeight: total,
   });
   return box;
+}
+
+// The message of a failed run, in red, inside a node's own box; empty (and taking no room)
+// otherwise.
+function makeErrorLine(box) {
+  const line = document.createElement("div");
+  line.className = "sjd-error";
+  line.style.cssText =
+    `color:${ERROR_COLOUR};font-weight:bold;white-space:pre-wrap;overflow:auto;` +
+    `height:${ERROR_HEIGHT - 4}px;flex:none;`;
+  line.hidden = true;
+  box.prepend(line);
+  return line;
+}
+
+// Show (or, with an empty message, hide) the error line; the canvas node grows to hold it.
+function showError(node, line, message) {
+  line.textContent = message ? `Error: ${message}` : "";
+  line.hidden = !message;
+  const needed = node.computeSize?.();
+  if (needed && node.size && needed[1] > node.size[1]) node.setSize([node.size[0], needed[1]]);
+  node.setDirtyCanvas?.(true, true);
 }
 
 class SamplerChart {
@@ -45,10 +74,18 @@ class SamplerChart {
     this.status = document.createElement("div");
     this.status.style.cssText = "white-space:pre-wrap;overflow:hidden;";
     this.box.append(this.canvas, this.status);
+    this.error = makeErrorLine(this.box);
     this.reset();
     const last = node.properties?.sjd_last;
     if (last) this.restore(last, "last run");
-    new ResizeObserver(() => this.draw()).observe(this.canvas);
+    this.observer = new ResizeObserver(() => this.draw());
+    this.observer.observe(this.canvas);
+  }
+
+  // The node was removed from the graph: stop watching its canvas.
+  dispose() {
+    this.observer?.disconnect();
+    this.observer = null;
   }
 
   reset() {
@@ -60,7 +97,13 @@ class SamplerChart {
 
   start() {
     this.reset();
+    showError(this.node, this.error, "");
     this.setStatus("running...");
+  }
+
+  fail(message) {
+    showError(this.node, this.error, message);
+    this.setStatus(`stopped (error) after ${this.accepted.length} steps`);
   }
 
   progress(detail) {
@@ -70,7 +113,7 @@ class SamplerChart {
     this.total = detail.total * detail.committed.length;
     const mean = this.accepted.reduce((a, b) => a + b, 0) / this.accepted.length;
     this.setStatus(
-      `${detail.mode}: step ${detail.iteration + 1}, ${this.committed}/${this.total} codes, ` +
+      `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
         `mean ${mean.toFixed(2)} per step`
     );
   }
@@ -124,11 +167,20 @@ class SamplerChart {
 class SummaryText {
   constructor(node) {
     this.node = node;
-    this.box = makeBox(node, "sjd_summary", 90);
+    this.box = makeBox(node, "sjd_summary", 120);
     this.pre = document.createElement("pre");
     this.pre.style.cssText = "margin:0;white-space:pre-wrap;overflow:auto;max-height:160px;";
     this.box.append(this.pre);
+    this.error = makeErrorLine(this.box);
     this.show(node.properties?.sjd_last_text ?? "");
+  }
+
+  start() {
+    showError(this.node, this.error, "");
+  }
+
+  fail(message) {
+    showError(this.node, this.error, message);
   }
 
   show(text) {
@@ -140,18 +192,29 @@ class SummaryText {
 }
 
 const chartOf = (id) => findNode(id)?.sjdChart ?? null;
+// The part of a node that shows its run: the sampler's chart or the diagnostics' summary.
+const viewOf = (id) => {
+  const node = findNode(id);
+  return node?.sjdChart ?? node?.sjdSummary ?? null;
+};
 
 app.registerExtension({
   name: "sjd.progress",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData.name !== SAMPLER && nodeData.name !== DIAGNOSTICS) return;
+    const sampler = SAMPLERS.has(nodeData.name);
+    if (!sampler && nodeData.name !== DIAGNOSTICS) return;
     const created = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = created?.apply(this, arguments);
-      if (nodeData.name === SAMPLER) this.sjdChart = new SamplerChart(this);
+      if (sampler) this.sjdChart = new SamplerChart(this);
       else this.sjdSummary = new SummaryText(this);
       return result;
+    };
+    const removed = nodeType.prototype.onRemoved;
+    nodeType.prototype.onRemoved = function () {
+      this.sjdChart?.dispose();
+      return removed?.apply(this, arguments);
     };
     const configured = nodeType.prototype.onConfigure;
     nodeType.prototype.onConfigure = function () {
@@ -175,10 +238,10 @@ app.registerExtension({
     api.addEventListener("executing", ({ detail }) => {
       // Older ComfyUI sends the node id itself, newer ones an object with it.
       const id = detail && typeof detail === "object" ? detail.node : detail;
-      chartOf(id)?.start();
+      viewOf(id)?.start();
     });
     api.addEventListener("sjd.progress", ({ detail }) => chartOf(detail.node)?.progress(detail));
-    api.addEventListener("sjd.done", ({ detail }) => chartOf(detail.node)?.finish(detail.text, detail.accepted));
+    // The finished run reaches the node once, through onExecuted above.
     // A re-run with unchanged inputs is served from the cache and sends no progress: keep showing
     // the run that made the cached result.
     api.addEventListener("execution_cached", ({ detail }) => {
@@ -188,11 +251,13 @@ app.registerExtension({
         if (chart) chart.restore(last ?? { text: "no run recorded in this workflow" }, "cached (inputs unchanged)");
       }
     });
-    for (const event of ["execution_interrupted", "execution_error"]) {
-      api.addEventListener(event, ({ detail }) => {
-        const chart = chartOf(detail?.node_id);
-        if (chart) chart.setStatus(`stopped (${event === "execution_error" ? "error" : "cancelled"}) after ${chart.accepted.length} steps`);
-      });
-    }
+    api.addEventListener("execution_interrupted", ({ detail }) => {
+      const chart = chartOf(detail?.node_id);
+      if (chart) chart.setStatus(`stopped (cancelled) after ${chart.accepted.length} steps`);
+    });
+    // The pack's message says what was wrong and what to do: show it on the node itself.
+    api.addEventListener("execution_error", ({ detail }) => {
+      viewOf(detail?.node_id)?.fail(detail?.exception_message ?? "the run failed");
+    });
   },
 });

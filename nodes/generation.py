@@ -1,0 +1,156 @@
+"""One sampler run inside ComfyUI: checks, the engine call, live progress, previews, Cancel.
+
+Shared by the SJD Sampler and the old all-in-one sampler, which differ only in how their widgets
+become settings objects.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from ..sjd_core.decoding.engine import IterationReport, generate
+from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from ..sjd_core.decoding.trace import summary_text
+from ..sjd_core.models.protocol import GenerationRequest
+from . import comfy_bridge
+from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
+
+PROGRESS_EVENT = "sjd.progress"
+PREVIEW_SECONDS = 0.5  # the least time between two live previews
+CHART_POINTS = 240  # the most values of the accepted-per-step series sent to the browser
+# Sizes the families draw (reference; LlamaGen; Janus-Pro; Lumina-mGPT and Anole; Emu3 at its
+# default 720x720 area in its seven aspect ratios). The loaded model decides at run time and names
+# its own list when a size is not among them.
+RESOLUTIONS = ("default", "32x32", "256x256", "384x384", "512x512", "768x768", "1024x1024",
+               "720x720", "832x624", "624x832", "960x544", "544x960", "880x584", "584x880")
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """What one run draws: the widgets every sampler has besides its settings."""
+
+    prompt: str
+    negative_prompt: str
+    resolution: str
+    batch_size: int
+    seed: int
+
+
+def parse_resolution(value: str, node: str) -> tuple[int, int] | None:
+    """``'WxH'`` -> (W, H); ``'default'`` -> None (the family's default)."""
+    if value == "default":
+        return None
+    try:
+        width, height = (int(part) for part in value.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{node}: resolution={value!r} is not allowed: write WIDTHxHEIGHT in "
+                         "pixels (e.g. 768x768) or 'default'.") from None
+    return width, height
+
+
+def family_sampling(model: LoadedModel) -> SamplingSettings:
+    """The loaded family's own sampling recipe (guidance, temperature, top-k, top-p)."""
+    d = model.model.defaults
+    return SamplingSettings(guidance=d.guidance, temperature=d.temperature, top_k=d.top_k,
+                            top_p=d.top_p)
+
+
+def downsampled(values: list[float], points: int = CHART_POINTS) -> list[float]:
+    """At most ``points`` values: consecutive runs of ``values`` replaced by their means."""
+    if len(values) <= points:
+        return [round(v, 3) for v in values]
+    edges = [round(i * len(values) / points) for i in range(points + 1)]
+    return [round(sum(values[a:b]) / (b - a), 3) for a, b in zip(edges, edges[1:])]
+
+
+def run_sampler(model: LoadedModel, asked: Prompting, acceleration: AccelerationSettings,
+                sampling: SamplingSettings, node: str, node_id: str | None) -> dict:
+    """Validate the request, run the engine with progress, previews and interrupts; returns the
+    node's ``{"ui": ..., "result": (codes, trace, summary)}``.
+
+    The UI part holds only the summary and the chart's series (at most ``CHART_POINTS`` values):
+    the full trace travels through the TRACE output, not through ``/history``.
+    """
+    adapter = model.model
+    size = parse_resolution(asked.resolution, node)
+    supported = adapter.supported_resolutions()
+    if size is not None and size not in [tuple(r) for r in supported]:
+        listing = ", ".join(f"{w}x{h}" for w, h in supported)
+        raise ValueError(f"{node}: resolution={asked.resolution} is not supported by the "
+                         f"{adapter.family} model '{model.name}': pick one of {listing} or "
+                         "'default'.")
+    size = size or tuple(supported[0])
+    if not isinstance(asked.batch_size, int) or asked.batch_size < 1:
+        raise ValueError(f"{node}: batch_size={asked.batch_size!r} is not allowed: it must be an "
+                         "integer >= 1.")
+    request = GenerationRequest(prompt=asked.prompt, negative_prompt=asked.negative_prompt,
+                                resolution=size, batch_size=asked.batch_size,
+                                guidance=sampling.guidance)
+    comfy_bridge.load_to_device(model.patcher)
+    watcher = LiveProgress(adapter, adapter.grid_for(size), asked.batch_size, node_id,
+                           acceleration.mode_name)
+    with torch.inference_mode():
+        try:
+            result = generate(adapter, request, sampling=sampling, acceleration=acceleration,
+                              seed=asked.seed, on_iteration=watcher.on_iteration)
+        except ValueError as error:
+            raise ValueError(f"{node}: {error}") from error
+    summary = result.trace.summary()
+    run = RunInfo(run_id=summary["run_id"], model_name=model.name, family=adapter.family,
+                  prompt=asked.prompt, negative_prompt=asked.negative_prompt, resolution=size,
+                  batch_size=asked.batch_size, seed=asked.seed, mode=acceleration.mode_name)
+    line = summary_text(summary)
+    return {
+        "ui": {"sjd_summary": [summary], "sjd_accepted": downsampled(watcher.accepted),
+               "sjd_text": [line]},
+        "result": (SamplerCodes(result.codes, model, run), SamplerTrace(result.trace, run), line),
+    }
+
+
+class LiveProgress:
+    """Progress bar, live preview, browser messages and Cancel, fed by the engine every iteration."""
+
+    def __init__(self, adapter: object, grid: tuple[int, int], batch: int, node_id: str | None,
+                 mode: str) -> None:
+        self.adapter = adapter
+        self.grid = grid
+        self.batch = batch
+        self.node_id = node_id
+        self.mode = mode
+        self.accepted: list[float] = []  # mean over rows still decoding, per iteration
+        self.bar: comfy_bridge.Progress | None = None
+        self.preview_rows = 0
+        self.preview_time = 0.0
+
+    def on_iteration(self, report: IterationReport) -> None:
+        comfy_bridge.check_interrupted()
+        total = report.total * self.batch
+        if self.bar is None:
+            self.bar = comfy_bridge.Progress(total)
+        active = [a for a in report.accepted if a > 0]
+        self.accepted.append(sum(active) / len(active) if active else 0.0)
+        self.bar.update(sum(report.committed), self._preview(report))
+        comfy_bridge.send(PROGRESS_EVENT, {
+            "node": self.node_id, "iteration": report.iteration, "accepted": report.accepted,
+            "committed": report.committed, "total": report.total, "mode": self.mode})
+
+    def _preview(self, report: IterationReport) -> Image.Image | None:
+        """The first image's finished code rows, decoded, at most every PREVIEW_SECONDS."""
+        if not comfy_bridge.in_comfyui():
+            return None
+        width = self.grid[1]
+        rows = report.committed[0] // width
+        now = time.monotonic()
+        finished = report.committed[0] >= report.total
+        if rows <= self.preview_rows or (now - self.preview_time < PREVIEW_SECONDS and not finished):
+            return None
+        self.preview_rows, self.preview_time = rows, now
+        grid = report.codes[:1].reshape(1, *self.grid).clone()
+        grid[:, rows:] = 0  # not drawn yet: any valid code will do, those rows are blanked below
+        image = self.adapter.decode(grid)[0]
+        image[image.shape[0] * rows // self.grid[0]:] = 0
+        return Image.fromarray((image.clamp(0, 1) * 255).byte().cpu().numpy())

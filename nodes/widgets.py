@@ -1,0 +1,145 @@
+"""Node widgets built from the settings dataclasses, so a new setting or mode needs no new glue.
+
+Each field of :class:`AccelerationSettings` and :class:`SamplingSettings` becomes one widget: a
+``Literal`` field a combo of its values, a bool a BOOLEAN, an int an INT, a float a FLOAT, with the
+field's default. ``FIELD_WIDGETS`` adds the tooltip and range users should see; a field it does
+not know yet still gets a widget, a generic tooltip and open ranges (the dataclass validates it).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, Field, fields
+
+from ..sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS, RELAXED_RULES,
+                                          AccelerationSettings, SamplingSettings)
+
+LOSSY = ("LOSSY: with relaxed acceptance the image no longer follows the model's exact "
+         "distribution. ")
+AS_MODE = "as mode"  # a switch left to the sampler's mode preset
+SWITCH_VALUES = {"on": True, "off": False}
+SWITCH_CHOICES = (AS_MODE, *SWITCH_VALUES)
+INT_LIMIT = 2**31 - 1
+
+# field -> (tooltip, min, max, step); None keeps the open default.
+FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] = {
+    "window": ("Codes guessed and checked per forward pass (not used by AR); 1 is plain "
+               "autoregression.", 1, 256, 1),
+    "init": ("How codes entering the window are first guessed: uniform random codes, or left = "
+             "repeat the code to the left.", None, None, None),
+    "adaptive_continuation": ("AC: after a rejection, keep later guesses that still fit. "
+                              "Lossless. 'as mode' follows the sampler's mode (on in PAC and "
+                              "PAC+VP).", None, None, None),
+    "proactive_drafting": ("PD: try K alternatives for the first D-1 window slots as a tree. "
+                           "Lossless. 'as mode' follows the sampler's mode (on in PAC and "
+                           "PAC+VP).", None, None, None),
+    "pd_candidates": ("K: alternatives per slot in the proactive-drafting tree.", 1, 16, 1),
+    "pd_depth": ("D: depth of the proactive-drafting tree, counting the root; at most the "
+                 "window.", 1, 16, 1),
+    "verification_prediction": ("VP: guess codes whose probability kept rising. Lossless. "
+                                "'as mode' follows the sampler's mode (on in PAC+VP).",
+                                None, None, None),
+    "vp_rises": ("N: rises in a row that make verification prediction prefer a code.", 1, 64, 1),
+    "vp_top_k": ("Verification prediction considers only the k most likely codes.", 1, 100_000,
+                 1),
+    "vp_decay": ("Weight of the past in verification prediction's running average (0 = only "
+                 "the latest step).", 0.0, 0.99, 0.01),
+    "relaxed": ("none = exact acceptance (lossless). lantern accepts guesses close to the "
+                "target in the codebook; gsd accepts guesses near the top of the target's "
+                "ranking. Faster, slightly different images.", None, None, None),
+    "lantern_neighbours": ("LANTERN k: codebook neighbours whose probability mass a guess may "
+                           "borrow.", 1, 1_000_000, 1),
+    "lantern_delta": ("LANTERN delta: the most probability mass (total variation) a guess may "
+                      "borrow.", 0.0, 1.0, 0.01),
+    "gsd_rank_radius": ("GSD: a guess within this many ranks of the top may pass.", 0, 100_000,
+                        1),
+    "gsd_prob_tolerance": ("GSD: how much less likely than the target's choice a guess may be.",
+                           0.0, 10.0, 0.01),
+    "gsd_embedding_tolerance": ("GSD: how far (codebook embedding distance) a guess may lie.",
+                                0.0, 100.0, 0.01),
+    "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
+                 "unconditional pass.", 0.0, 30.0, 0.1),
+    "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),
+    "top_k": ("Keep the k most likely codes; 0 = off, 1 = greedy.", 0, 1_000_000, 1),
+    "top_p": ("Nucleus sampling mass; 1.0 = off.", 0.01, 1.0, 0.01),
+}
+# Widget defaults that differ from the dataclass default (guidance 1.0 would switch CFG off).
+WIDGET_DEFAULTS = {"guidance": 3.0}
+
+
+def mode_label(preset: str) -> str:
+    """The sampler's combo label of a preset name (``pac+vp`` -> ``PAC+VP``)."""
+    return preset.upper()
+
+
+def mode_choices() -> list[str]:
+    """Every preset of ``settings.PRESETS`` as the sampler shows it, in that order."""
+    return [mode_label(name) for name in PRESETS]
+
+
+def default_mode() -> str:
+    """The label of ``settings.DEFAULT_PRESET``, the sampler's default mode."""
+    return mode_label(DEFAULT_PRESET)
+
+
+def preset_of(label: str) -> str:
+    """The preset name behind a combo label; ValueError naming the choices otherwise."""
+    for name in PRESETS:
+        if mode_label(name) == label:
+            return name
+    raise ValueError(f"mode={label!r} is not allowed: pick one of {mode_choices()}.")
+
+
+def is_lossy(name: str) -> bool:
+    """True for the relaxed rule and its knobs (``lantern_*``, ``gsd_*``)."""
+    return name == "relaxed" or any(name.startswith(rule + "_") for rule in RELAXED_RULES
+                                    if rule != "none")
+
+
+def _default(field: Field) -> object:
+    return field.default if field.default is not MISSING else field.default_factory()
+
+
+def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
+    """The ComfyUI input spec of one dataclass field; ``switch`` makes a bool an 'as mode' combo."""
+    hints = typing.get_type_hints(cls)
+    field = next(f for f in fields(cls) if f.name == name)
+    kind = hints[name]
+    tooltip, low, high, step = FIELD_WIDGETS.get(
+        name, (f"{name.replace('_', ' ')} (see the node's help page).", None, None, None))
+    if is_lossy(name):
+        tooltip = LOSSY + tooltip
+    default = WIDGET_DEFAULTS.get(name, _default(field))
+    if typing.get_origin(kind) is typing.Literal:
+        return (list(typing.get_args(kind)), {"default": default, "tooltip": tooltip})
+    if kind is bool:
+        if switch:
+            return (list(SWITCH_CHOICES), {"default": AS_MODE, "tooltip": tooltip})
+        return ("BOOLEAN", {"default": default, "tooltip": tooltip})
+    options: dict = {"default": default, "tooltip": tooltip}
+    if kind is int:
+        options.update(min=-INT_LIMIT if low is None else int(low),
+                       max=INT_LIMIT if high is None else int(high), step=int(step or 1))
+        return ("INT", options)
+    if kind is float:
+        options.update(min=-1e9 if low is None else low, max=1e9 if high is None else high,
+                       step=step or 0.01)
+        return ("FLOAT", options)
+    raise TypeError(f"{cls.__name__}.{name} has type {kind!r}, which no widget shows.")
+
+
+def acceleration_option_fields() -> list[str]:
+    """The fields of the SJD Acceleration Options node: every AccelerationSettings field but
+    ``window``, which sits on the sampler."""
+    return [f.name for f in fields(AccelerationSettings) if f.name != "window"]
+
+
+def sampling_fields() -> list[str]:
+    """The fields of the SJD Sampling Options node: every SamplingSettings field."""
+    return [f.name for f in fields(SamplingSettings)]
+
+
+def switches() -> set[str]:
+    """The on/off fields of AccelerationSettings (AC, PD, VP, and any added later)."""
+    hints = typing.get_type_hints(AccelerationSettings)
+    return {f.name for f in fields(AccelerationSettings) if hints[f.name] is bool}

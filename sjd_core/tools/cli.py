@@ -1,0 +1,92 @@
+"""What the command-line tools share: one-line errors, a progress bar per image, thread count.
+
+Importing this module is cheap (no torch): the tools parse their arguments first, so ``--help``
+and argument errors answer at once, and import torch and the models only to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from ..decoding.engine import IterationReport
+
+Result = TypeVar("Result")
+USAGE_ERROR = 2  # the exit code of argparse's own errors, used for every mistake a user can make
+HINT = "run with --help for the options"
+
+
+def one_line(text: object) -> str:
+    """``text`` with its line breaks and runs of spaces folded into single spaces."""
+    return " ".join(str(text).split())
+
+
+def fail(prog: str, message: object, hint: str = HINT) -> NoReturn:
+    """Print ``prog: error: message (hint)`` as one line on stderr and exit with code 2."""
+    print(f"{prog}: error: {one_line(message)} ({hint})", file=sys.stderr, flush=True)
+    raise SystemExit(USAGE_ERROR)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors in the tools' one-line form (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, message)
+
+
+def run_command(prog: str, command: Callable[[], Result]) -> Result:
+    """Run ``command``; a ValueError or FileNotFoundError (a bad prompt, setting or path) becomes
+    one line on stderr and exit code 2 instead of a traceback."""
+    try:
+        return command()
+    except (ValueError, FileNotFoundError) as error:
+        fail(prog, error)
+
+
+def default_threads() -> int:
+    """CPU threads for torch when the user names none: the cores this process may use, at most 4
+    (more rarely helps these small forward passes and makes timings depend on the machine)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(4, usable))
+
+
+def set_threads(requested: int) -> int:
+    """Give torch ``requested`` CPU threads (0: :func:`default_threads`); returns the count."""
+    import torch
+
+    count = requested or default_threads()
+    torch.set_num_threads(count)
+    return count
+
+
+class ImageProgress:
+    """A progress bar with ETA for one generated image (or batch), fed by the engine's
+    ``on_iteration`` reports; codes committed so far out of all codes."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.bar = None
+
+    def __call__(self, report: IterationReport) -> None:
+        from tqdm import tqdm
+
+        total = report.total * len(report.committed)
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.label, unit="code", leave=False,
+                            file=sys.stderr, dynamic_ncols=True, mininterval=0.2)
+        self.bar.update(sum(report.committed) - self.bar.n)
+        if self.bar.n >= total:
+            self.bar.refresh()  # show the finished bar, whatever the refresh interval skipped
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
