@@ -5,24 +5,13 @@ told afterwards what that iteration committed (``observe``). Because the choice 
 iterations that are over, it never depends on the draws of the iteration it shapes, and every
 lossless shape, chosen this way, keeps the output exactly the model's distribution.
 
-``auto`` (:class:`AutoPlan`) picks, among plain autoregression, windows of several lengths and
-proactive-drafting trees, the shape with the most expected codes committed per second:
-
-* cost: each shape's measured seconds per iteration (the iterations themselves are the timing
-  probes, so measuring costs no extra forward pass); a shape not run yet is estimated from a
-  straight line in the number of fed nodes fitted to the shapes that were;
-* acceptance: each shape's measured codes per iteration; a window not run yet is estimated from
-  the survival of drafts along the window (per depth, from the windows that were run), a tree
-  from that times the gain trees showed over windows.
-
-What it learns is kept for the next generation with the same model, device, batch and settings,
-so exploring is paid once. It re-plans every few iterations and, when plain autoregression is
-best, still tries the best speculative shape now and then.
+``auto`` (:class:`AutoPlan`) moves among plain autoregression, windows of several lengths and
+windows with a proactive-drafting tree towards the shape measured to commit the most codes per
+second on this model and machine (see the class docstring).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -83,203 +72,143 @@ class FixedPlan:
 
 
 @dataclass
-class _ShapeStats:
-    """Exponentially weighted record of one shape's iterations."""
+class _Measured:
+    """Codes per second of one shape, from blocks of settled iterations (exponentially weighted)."""
 
-    timed: int = 0  # iterations whose seconds are known
-    seconds: float = 0.0  # seconds per iteration
-    counted: int = 0  # iterations with settled drafts
-    committed: float = 0.0  # codes committed per row per iteration
+    rate: float = 0.0
+    blocks: int = 0
+    when: int = 0  # the block count of the plan when last measured
 
-    def add_seconds(self, value: float, weight: float = 0.25) -> None:
-        self.seconds = value if not self.timed else self.seconds + weight * (value - self.seconds)
-        self.timed += 1
-
-    def add_committed(self, value: float, weight: float = 0.25) -> None:
-        self.committed = value if not self.counted else \
-            self.committed + weight * (value - self.committed)
-        self.counted += 1
+    def add(self, rate: float, when: int) -> None:
+        self.rate = rate if not self.blocks else self.rate + 0.5 * (rate - self.rate)
+        self.blocks += 1
+        self.when = when
 
 
 @dataclass
 class _Profile:
     """What ``auto`` learnt about one model, device, batch and settings."""
 
-    window: int
-    shapes: dict[str, _ShapeStats] = field(default_factory=dict)
-    at_risk: np.ndarray = None  # (window,) drafts tested at each depth of a window
-    stopped: np.ndarray = None  # (window,) drafts rejected at each depth
-    generations: int = 0
-
-    def __post_init__(self) -> None:
-        self.at_risk = np.zeros(self.window)
-        self.stopped = np.zeros(self.window)
-
-    def stats(self, label: str) -> _ShapeStats:
-        return self.shapes.setdefault(label, _ShapeStats())
+    shapes: dict[tuple[int, bool], _Measured] = field(default_factory=dict)
+    best: tuple[int, bool] | None = None
+    blocks: int = 0
 
 
 # Profiles live as long as their model: {model: {key: _Profile}}.
 _PROFILES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-_PRIOR_HAZARD = 0.3  # rejection chance per depth assumed where nothing was measured yet
-_PRIOR_TREE_GAIN = 1.1  # codes per iteration of a tree over the window of the same length
-_OPTIMISM = 0.3  # exploration bonus for shapes seen few times
-_DWELL = 3  # iterations between two choices (drafts need a few iterations to settle)
-_RETRY = 48  # while plain autoregression wins, iterations between two speculative tries
+_SETTLE = 4  # iterations after a change of shape that are not measured (drafts settle first)
+_MEASURE = 8  # iterations measured per block
+_MARGIN = 0.1  # a neighbour must be this much faster to be moved to
+_RECHECK = 6  # blocks after which a measured neighbour is measured again
 
 
-def _menu(settings: AccelerationSettings, device: torch.device) -> list[DraftTree]:
-    """AR, windows of several lengths up to ``settings.window``, and PD trees within it."""
+def _ladder(settings: AccelerationSettings) -> list[int]:
+    """Window lengths auto moves along: 1 (AR), then 4, 8, 16, ... up to ``settings.window``."""
     top = settings.window
-    lengths = sorted({n for n in (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < top} | {top})
-    shapes = [DraftTree.build(1, 1, 1, device)]
-    shapes += [DraftTree.build(n, 1, 1, device) for n in lengths]
-    if settings.proactive_drafting:
-        trees = {(k, d) for k in (2, settings.pd_candidates) for d in (2, settings.pd_depth)
-                 if k > 1 and d >= 2}
-        for candidates, depth in sorted(trees):
-            for n in sorted({min(16, top), top}):
-                if depth <= n:
-                    shapes.append(DraftTree.build(n, candidates, depth, device))
-    return shapes
+    return [1] + sorted({n for n in (4, 8, 16, 32, 64, 128) if n < top} | {top})
 
 
 def largest_shape(settings: AccelerationSettings) -> int:
-    """The most nodes one forward of ``settings`` feeds (for ``auto``, over its whole menu)."""
+    """The most nodes one forward of ``settings`` feeds (for ``auto``, over all its shapes)."""
     device = torch.device("cpu")
-    if settings.adaptive_shape:
-        return max(tree.size for tree in _menu(settings, device))
+    if settings.adaptive_shape and settings.proactive_drafting:
+        return DraftTree.build(settings.window, settings.pd_candidates, settings.pd_depth,
+                               device).size
     return DraftTree.for_settings(settings, device).size
 
 
 class AutoPlan:
-    """Cost-aware speculation: the shape expected to commit the most codes per second."""
+    """Cost-aware speculation: a hill climb over window lengths (and a PD tree or none) by the
+    codes per second each shape is measured to commit.
+
+    Shapes are points ``(i, tree)`` of a ladder of window lengths (i = 0 is plain
+    autoregression) with or without the settings' PD tree. The plan runs a shape for a block
+    (a few settling iterations, then a few measured ones), records its codes per second, and
+    moves to the fastest of the best shape and its neighbours (one step along the ladder, the
+    tree switched), measuring each neighbour it has not measured lately. Timings are the
+    iterations' own, so measuring costs no extra forward pass; what it learns is kept for the
+    next generation with the same model, device, batch and settings.
+    """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
                  request: GenerationRequest, sampling: SamplingSettings, device: torch.device,
                  seconds_of: Callable[[int], float | None]) -> None:
-        self.menu = {describe_shape(tree): tree for tree in _menu(settings, device)}
-        self.max_nodes = max(tree.size for tree in self.menu.values())
+        self.settings, self.device = settings, device
+        self.ladder = _ladder(settings)
+        self.trees: dict[tuple[int, bool], DraftTree] = {}
+        self.max_nodes = largest_shape(settings)
         self.mode_name = settings.mode_name
         self.seconds_of = seconds_of  # seconds of iteration i, None while not known yet
-        key = (str(device), request.batch_size, sampling.guidance != 1.0, sampling, settings,
-               request.resolution)
+        key = (str(device), request.batch_size, sampling, settings, request.resolution)
         try:
             profiles = _PROFILES.setdefault(model, {})
         except TypeError:  # a model that cannot be weakly referenced keeps no profile
             profiles = {}
-        self.profile = profiles.setdefault(key, _Profile(settings.window))
-        self.profile.generations += 1
-        largest = max(self.menu.values(), key=lambda tree: tree.size)
-        longest = self.menu[f"window {settings.window}"]
-        short = self.menu[f"window {max(2, settings.window // 4)}"] \
-            if f"window {max(2, settings.window // 4)}" in self.menu else longest
-        fresh = self.profile.generations == 1
-        # a new profile times AR once and runs three shapes that span the costs
-        self.queue = ([self.menu["AR"]] + [largest] * 3 + [longest] * 3 + [short] * 2
-                      if fresh else [])
-        self.current, self.held = longest, 0
-        self.since_speculation = 0
-        self.pending: list[tuple[int, str, float, bool]] = []  # iteration, shape, committed, warm
+        self.profile = profiles.setdefault(key, _Profile())
+        start = self.ladder.index(min(16, settings.window)) if min(16, settings.window) \
+            in self.ladder else len(self.ladder) - 1
+        self.current = self.profile.best or (start, False)
+        self.profile.best = self.current
+        self.in_block = 0  # iterations of the current block so far
+        self.block: list[tuple[int, float]] = []  # (iteration, codes per row) measured
         self.iteration = 0
 
-    # ------------------------------------------------------------------ choosing
+    def tree(self, shape: tuple[int, bool]) -> DraftTree:
+        if shape not in self.trees:
+            window, with_tree = self.ladder[shape[0]], shape[1]
+            if with_tree:
+                self.trees[shape] = DraftTree.build(window, self.settings.pd_candidates,
+                                                    self.settings.pd_depth, self.device)
+            else:
+                self.trees[shape] = DraftTree.build(window, 1, 1, self.device)
+        return self.trees[shape]
+
+    def _allowed(self, shape: tuple[int, bool]) -> bool:
+        index, with_tree = shape
+        if not 0 <= index < len(self.ladder):
+            return False
+        return not with_tree or (self.settings.proactive_drafting
+                                 and self.ladder[index] >= self.settings.pd_depth)
+
     def choose(self) -> DraftTree:
-        if self.queue:
-            self.current = self.queue.pop(0)
-        elif self.held <= 0:
-            self.current = self._best()
-            self.held = _DWELL
-        self.held -= 1
-        return self.current
+        return self.tree(self.current)
 
-    def _best(self) -> DraftTree:
-        rates = {label: self._rate(label) for label in self.menu}
-        best = max(rates, key=rates.get)
-        if best == "AR":
-            self.since_speculation += 1
-            if self.since_speculation * _DWELL >= _RETRY:
-                self.since_speculation = 0
-                best = max((label for label in rates if label != "AR"), key=rates.get)
-        else:
-            self.since_speculation = 0
-        return self.menu[best]
-
-    def _rate(self, label: str) -> float:
-        """Expected codes per second of a shape, with a bonus for shapes seen few times."""
-        stats = self.profile.shapes.get(label) or _ShapeStats()
-        committed = stats.committed if stats.counted >= 2 else self._committed(label)
-        seconds = stats.seconds if stats.timed else self._seconds(label)
-        return committed / max(seconds, 1e-9) * (1 + _OPTIMISM / math.sqrt(1 + stats.timed))
-
-    def _committed(self, label: str) -> float:
-        """Codes per iteration of a shape from the measured survival of drafts per depth."""
-        tree = self.menu[label]
-        if tree.window == 1:
-            return 1.0
-        at_risk, stopped = self.profile.at_risk, self.profile.stopped
-        survive, expected, hazard = 1.0, 1.0, _PRIOR_HAZARD
-        for depth in range(1, tree.window):
-            if at_risk[depth] >= 3:
-                hazard = stopped[depth] / at_risk[depth]
-            survive *= 1.0 - hazard
-            expected += survive
-        if tree.tree_levels:
-            expected *= self._tree_gain()
-        return expected
-
-    def _tree_gain(self) -> float:
-        gains = []
-        for label, stats in self.profile.shapes.items():
-            tree = self.menu.get(label)
-            if tree is not None and tree.tree_levels and stats.counted >= 2:
-                chain = self._committed(f"window {tree.window}") \
-                    if f"window {tree.window}" in self.menu else None
-                if chain:
-                    gains.append(stats.committed / chain)
-        return float(np.mean(gains)) if gains else _PRIOR_TREE_GAIN
-
-    def _seconds(self, label: str) -> float:
-        """Seconds per iteration of a shape not timed yet: a line in fed nodes through the
-        speculative shapes that were timed (AR, when not timed, as a one-node shape)."""
-        points = [(self.menu[name].size, stats.seconds) for name, stats in
-                  self.profile.shapes.items()
-                  if name in self.menu and name != "AR" and stats.timed]
-        nodes = self.menu[label].size
-        if not points:
-            return float(nodes)  # nothing timed yet: cost in proportion to nodes
-        sizes, seconds = np.array(points, dtype=float).T
-        if len(set(sizes)) < 2:
-            return float(seconds.mean()) * (1 + nodes / max(sizes.mean(), 1)) / 2
-        slope, intercept = np.polyfit(sizes, seconds, 1)
-        return max(intercept + max(slope, 0.0) * nodes, 1e-6)
-
-    # ------------------------------------------------------------------ learning
     def observe(self, tree: DraftTree, accepted: list[int], warm: bool) -> None:
-        label = describe_shape(tree)
-        self.pending.append((self.iteration, label, float(np.mean(accepted)), warm))
+        self.in_block += 1
+        settle = 0 if self.current[0] == 0 else _SETTLE
+        if self.in_block > settle and warm or self.current[0] == 0:
+            self.block.append((self.iteration, float(np.mean(accepted))))
         self.iteration += 1
-        if warm and tree.window > 1 and not tree.tree_levels:
-            depths = np.arange(self.profile.window)
-            for count in accepted:  # count - 1 drafts passed, the next one (if any) failed
-                tested = min(count, tree.window - 1)
-                self.profile.at_risk += (depths >= 1) & (depths <= tested)
-                if count <= tree.window - 1:
-                    self.profile.stopped[count] += 1
-        still = []
-        for iteration, name, committed, was_warm in self.pending:
-            seconds = self.seconds_of(iteration)
-            if seconds is None:
-                still.append((iteration, name, committed, was_warm))
-                continue
-            stats = self.profile.stats(name)
-            stats.add_seconds(seconds)
-            if was_warm:
-                stats.add_committed(committed)
-        self.pending = still
+        if len(self.block) < _MEASURE:
+            return
+        seconds = [self.seconds_of(i) for i, _ in self.block]
+        if any(value is None for value in seconds):
+            return  # the device has not finished them yet: measure a little longer
+        rate = sum(codes for _, codes in self.block) / max(sum(seconds), 1e-9)
+        profile = self.profile
+        profile.blocks += 1
+        profile.shapes.setdefault(self.current, _Measured()).add(rate, profile.blocks)
+        self._next_block()
+
+    def _next_block(self) -> None:
+        profile = self.profile
+        measured = profile.shapes
+        best = max(measured, key=lambda shape: measured[shape].rate)
+        if profile.best in measured and \
+                measured[best].rate < measured[profile.best].rate * (1 + _MARGIN):
+            best = profile.best  # move only for a clear gain
+        profile.best = best
+        index, with_tree = best
+        neighbours = [shape for shape in ((index - 1, with_tree), (index + 1, with_tree),
+                                          (index, not with_tree)) if self._allowed(shape)]
+        stale = [shape for shape in neighbours if shape not in measured
+                 or profile.blocks - measured[shape].when >= _RECHECK]
+        self.current = stale[0] if stale else best
+        self.in_block, self.block = 0, []
 
     def notes(self) -> dict:
-        return {"auto_profile_generations": self.profile.generations}
+        best = self.profile.best
+        return {"auto_best_shape": describe_shape(self.tree(best)) if best else None}
 
 
 def make_plan(settings: AccelerationSettings, model: ImageTokenModel, request: GenerationRequest,

@@ -167,7 +167,8 @@ class AccelerationSettings:
         """
         base = {
             "auto": dict(window=32, init="above_target", adaptive_continuation=True,
-                         proactive_drafting=True, adaptive_shape=True),
+                         proactive_drafting=True, pd_candidates=2, pd_depth=3,
+                         adaptive_shape=True),
             "ar": dict(window=1),
             "sjd": dict(),
             "pac": dict(adaptive_continuation=True, proactive_drafting=True),

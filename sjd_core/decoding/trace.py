@@ -248,8 +248,14 @@ class Trace:
 
 
 def summary_text(summary: dict[str, Any]) -> str:
-    """One human line from :meth:`Trace.summary`."""
-    return (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
+    """One human line from :meth:`Trace.summary`; the shapes fed when there were several."""
+    text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
             f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
+    shapes = sorted(summary.get("shapes", {}).items(), key=lambda item: -item[1])
+    if len(shapes) > 1:
+        text += "; steps by shape: " + ", ".join(f"{name} x{count}" for name, count in shapes[:4])
+        if len(shapes) > 4:
+            text += f", {len(shapes) - 4} more"
+    return text
