@@ -95,7 +95,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             state, tree, random.exponential(tree.tree_levels, vocab) if tree.tree_levels else None)
         node_tokens[:, 0] = anchor
         node_slots = ((committed - 1)[:, None] + tree.depth).clamp_max(slots - 1)
-        cond, uncond = session.forward(node_tokens, node_slots, tree.ancestors)
+        cond, uncond = session.forward(node_tokens, node_slots, tree.ancestors, committed=done)
         recorder.clock.mark()
 
         target = process(cond, uncond, sampling)

@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
     model = SyntheticModel(codebook_size=args.codebook, grid=(args.grid, args.grid),
                            width=args.width, layers=args.layers, heads=4, sharpness=3.0,
-                           max_fed=256, seed=0, device=args.device)
+                           seed=0, device=args.device)
     sampling = SamplingSettings(guidance=3.0, temperature=args.temperature, top_k=args.top_k)
     print(f"synthetic model: codebook {args.codebook}, grid {args.grid}x{args.grid}, width "
           f"{args.width}, {args.layers} layers, window {args.window}, {args.images} image(s) per "

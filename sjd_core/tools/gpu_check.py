@@ -102,7 +102,7 @@ def time_forward(model: ChameleonImageModel, slots: torch.Tensor, ancestors: tor
     for _ in range(repeats + 1):  # the first call warms up
         _sync(dev)
         start = time.perf_counter()
-        session.forward(codes, slots, ancestors)
+        session.forward(codes, slots, ancestors, [0])
         _sync(dev)
         times.append(time.perf_counter() - start)
         session.keep(keep_none)
@@ -127,10 +127,10 @@ class _Timed:
         forward, keep = session.forward, session.keep
 
         def timed(fn, attr):
-            def run(*args):
+            def run(*args, **kwargs):
                 _sync(outer.model.device)
                 start = time.perf_counter()
-                out = fn(*args)
+                out = fn(*args, **kwargs)
                 _sync(outer.model.device)
                 setattr(outer, attr, getattr(outer, attr) + time.perf_counter() - start)
                 return out

@@ -59,7 +59,7 @@ def target_statistics(model: ImageTokenModel, request: GenerationRequest,
     fed = torch.cat([torch.zeros(batch, 1, dtype=torch.long), codes.reshape(batch, n)[:, :-1]], 1)
     slots = torch.arange(-1, n - 1).expand(batch, n)
     chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    cond, uncond = session.forward(fed, slots, chain)
+    cond, uncond = session.forward(fed, slots, chain, [0] * batch)
     target = process(cond, uncond, sampling)
     return (entropy(target).mean(1).cpu().numpy(),
             target.amax(-1).mean(1).cpu().numpy())
