@@ -157,7 +157,8 @@ class HFSession(SlotSession):
             x = torch.where(fed.row_end[..., None], self._row_end, x)
         return x
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+             ) -> torch.Tensor:
         out = self.parts.backbone(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                   cache=self._cache, use_cache=True)
         return out.last_hidden_state

@@ -1,12 +1,14 @@
 """Every decoding mode side by side on the synthetic model, measured in one run.
 
     python -m sjd_core.tools.bench [--grid 48] [--codebook 8192] [--images 1]
+    python -m sjd_core.tools.bench --cache-scaling [--threads 1]
 
 Prints one table: per mode, forward passes (NFE), step compression, mean accepted length,
 wall-clock time relative to AR measured in the same run, and the share of the wall-clock time
 spent outside the model's forward pass. The synthetic model is a random transformer, so the
 numbers say how the modes compare on one model, not what a real checkpoint will do.
 ``measure`` and ``format_table`` are shared with the reference-model benchmark.
+``--cache-scaling`` measures the decoding session's own cost instead (see :mod:`.session_bench`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..decoding.engine import generate
 from ..models.protocol import GenerationRequest, ImageTokenModel
 from ..models.synthetic import SyntheticModel
 from ..decoding.settings import AccelerationSettings, SamplingSettings
+from . import session_bench
 
 MODES: list[tuple[str, dict]] = [
     ("AR", dict(window=1)),
@@ -113,9 +116,15 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch (default: torch's choice); 1 keeps timings "
                              "steady on a machine that is busy with other work")
+    parser.add_argument("--cache-scaling", action="store_true",
+                        help="measure the session's time outside the network per iteration at a "
+                             "16x16 and a 64x64 grid, and plain autoregression next to "
+                             "transformers' generate(), instead of comparing modes")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cache_scaling:
+        return session_bench.run()
     model = SyntheticModel(codebook_size=args.codebook, grid=(args.grid, args.grid),
                            width=args.width, layers=args.layers, heads=4, sharpness=3.0,
                            seed=0, device=args.device)

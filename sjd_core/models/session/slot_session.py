@@ -89,8 +89,11 @@ class SlotSession(DecodingSession):
         """Network inputs (R, tokens, ...) of the fed tokens, from ``codes`` (B, T) on the device."""
         raise NotImplementedError
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...)."""
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...).
+
+        ``mask`` (R, 1, n, width) says which cached columns each token sees; None: all of them.
+        """
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,10 +132,13 @@ class SlotSession(DecodingSession):
         fed = self._to_device(plan)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        self.mask.write_block(fed.column_index, tree_block if fed.visible is None
-                              else self.mask.values(fed.visible))
         self.store.plan(fed.columns, plan.width)
-        mask = self.mask.view(plan.tokens, plan.width)
+        if plan.tokens == 1 and plan.lengths.min() + 1 == plan.width:
+            mask = None  # rows of equal length, one token each: every token sees every column
+        else:
+            self.mask.write_block(fed.column_index, tree_block if fed.visible is None
+                                  else self.mask.values(fed.visible))
+            mask = self.mask.view(plan.tokens, plan.width)
         if mark is not None:
             mark()
         hidden = self._run(inputs, fed.positions, mask)
