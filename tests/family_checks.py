@@ -32,7 +32,8 @@ def check_window_equals_stepwise(model, request: GenerationRequest, reference: R
     n = len(codes)
     ref = reference(codes, "cond")[:n]
     session = model.start(request)
-    window, _ = session.forward(torch.tensor([[0] + codes[:-1]]), torch.arange(-1, n - 1)[None], chain(n), [0])
+    window, _ = session.forward(torch.tensor([[0] + codes[:-1]]), torch.arange(-1, n - 1)[None], chain(n),
+                                [0])
     torch.testing.assert_close(window[0], ref, **TOL)
     session = model.start(request)
     steps = []

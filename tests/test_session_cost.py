@@ -4,8 +4,11 @@ Counted with a dispatch-level counter on the embedded reference model (guided, o
 middle of an image: the operations of ``forward`` + ``keep`` outside the network (between the two
 ``mark`` calls the network runs and is not counted), and separately the operations the cache does
 inside the network (writing each layer's new keys and values, reading views of them). The pinned
-counts leave a small margin; a change that adds work to every iteration fails here.
+counts leave a small margin; a change that adds work to every iteration fails here. The session
+benchmark (``bench --cache-scaling``) that times the same work runs here at toy size.
 """
+
+import re
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from sjd_core.decoding.drafting import DraftTree
 from sjd_core.decoding.settings import AccelerationSettings
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
+from sjd_core.tools import session_bench
 
 MARGIN = 2
 # (session operations outside the network, cache operations inside it) per forward + keep
@@ -92,3 +96,17 @@ def test_forward_and_keep_do_a_pinned_number_of_operations(model, shape):
     assert counts["network"] > 100  # the counter sees the network, so it is not blind
     assert 0 < counts["session"] <= session + MARGIN, counts
     assert 0 < counts["cache"] <= cache + MARGIN, counts
+
+
+def test_cache_scaling_bench_splits_every_iteration():
+    network = session_bench.random_decoder()
+    outside, inside = session_bench.image_iterations(network, 4, True, session_bench.SplitClock())
+    assert len(outside) == len(inside) == 6  # 16 slots, three kept per iteration
+    assert min(outside) > 0 and min(inside) > 0
+
+
+def test_autoregression_bench_reports_share_and_speeds(model):
+    share, speeds = session_bench.autoregression(model)
+    percent = float(re.search(r"([\d.]+)% of forward \+ keep", share).group(1))
+    assert 0 < percent < 100
+    assert re.search(r"session: [\d.]+ ms/token; transformers generate\(\): [\d.]+ ms/token", speeds)

@@ -164,7 +164,8 @@ class HFSession(SlotSession):
         return out.last_hidden_state
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return to_device(self.parts.code_logits(hidden), self.device, torch.float32)  # the head may sit elsewhere
+        logits = self.parts.code_logits(hidden)
+        return to_device(logits, self.device, torch.float32)  # the head may sit on another device
 
     def _select_rows(self, index: torch.Tensor) -> None:
         self._start = self._start.index_select(0, index)

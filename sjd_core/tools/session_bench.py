@@ -60,7 +60,7 @@ def decoder_parts(network: LlamaForCausalLM, row_end: bool) -> DecoderParts:
                         dtype=torch.float32)
 
 
-class _Clock:
+class SplitClock:
     """Splits a forward + keep into the session's time and the network's (thread CPU time).
 
     With ``flush`` (a large tensor), reading it at the end of the network pass empties the CPU
@@ -89,7 +89,7 @@ class _Clock:
 
 
 @torch.no_grad()
-def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock: "_Clock"
+def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock: SplitClock
                      ) -> tuple[list[float], list[float]]:
     """Per iteration (outside, network) seconds of decoding a whole ``side`` x ``side`` image."""
     tree = DraftTree.build(TREE, torch.device("cpu"))
@@ -119,8 +119,10 @@ def cache_scaling(network: LlamaForCausalLM, repeats: int) -> list[str]:
     lines = []
     flush = torch.zeros(FLUSH_BYTES // 4)
     for row_end in (True, False):
-        for clock in (_Clock(), _Clock(flush)):
-            label = ("row ends" if row_end else "no row ends") + (", caches emptied" if clock.flush is not None else "")
+        for clock in (SplitClock(), SplitClock(flush)):
+            label = "row ends" if row_end else "no row ends"
+            if clock.flush is not None:
+                label += ", caches emptied"
             medians = {}
             for side in (16, 64):
                 outside, inside = [], []
@@ -129,8 +131,9 @@ def cache_scaling(network: LlamaForCausalLM, repeats: int) -> list[str]:
                     outside += o
                     inside += i
                 medians[side] = statistics.median(outside)
+                network_time = statistics.median(inside)
                 lines.append(f"  {label}, {side}x{side}: {len(outside)} iterations, outside the network "
-                             f"{1e6 * medians[side]:.0f} us/it, network {1e6 * statistics.median(inside):.0f} us/it")
+                             f"{1e6 * medians[side]:.0f} us/it, network {1e6 * network_time:.0f} us/it")
             lines.append(f"  {label}: ratio 64x64 / 16x16 = {medians[64] / medians[16]:.2f}")
     return lines
 
@@ -141,7 +144,7 @@ def autoregression(model: ReferenceModel) -> list[str]:
     request = GenerationRequest(prompt="sneaker", max_nodes=1)
     slots = model.grid[0] * model.grid[1]
     one = torch.ones(1, 1, dtype=torch.bool)
-    clock, outside, inside = _Clock(), 0.0, 0.0
+    clock, outside, inside = SplitClock(), 0.0, 0.0
     session = model.start(request)
     code = torch.zeros(1, 1, dtype=torch.long)
     start = time.thread_time()
@@ -169,7 +172,7 @@ def autoregression(model: ReferenceModel) -> list[str]:
 def run(repeats: int = 16) -> str:
     """Both measurements; returns the printed report."""
     network = random_decoder()
-    image_iterations(network, 16, True, _Clock())  # warm up
+    image_iterations(network, 16, True, SplitClock())  # warm up
     lines = ["Session time outside the network per iteration, median (34-node tree, 3 nodes kept, guided):"]
     lines += cache_scaling(network, repeats)
     model = ReferenceModel(WEIGHTS_DIR, device="cpu")

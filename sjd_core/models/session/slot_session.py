@@ -51,7 +51,7 @@ class Fed:
     visible: torch.Tensor | None
 
 
-OPTIONAL_FIELDS = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
+_OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
 
 
 class SlotSession(DecodingSession):
@@ -89,7 +89,8 @@ class SlotSession(DecodingSession):
         """Network inputs (R, tokens, ...) of the fed tokens, from ``codes`` (B, T) on the device."""
         raise NotImplementedError
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+             ) -> torch.Tensor:
         """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...).
 
         ``mask`` (R, 1, n, width) says which cached columns each token sees; None: all of them.
@@ -111,8 +112,9 @@ class SlotSession(DecodingSession):
             return
         prefix = torch.from_numpy(self.layout.prefix).to(self.device)
         order = torch.arange(n, device=self.device)
-        causal = (order[None, None, :] <= order[None, :, None]) & (order[None, None, :] < prefix[:, None, None])
-        allowed = causal | torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
+        key, query = order[None, None, :], order[None, :, None]
+        allowed = (key <= query) & (key < prefix[:, None, None])
+        allowed |= torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = order.expand(len(prefix), n)
         self.store.plan(positions, n)
         self._run(inputs, positions, self.mask.values(allowed)[:, None])
@@ -124,10 +126,10 @@ class SlotSession(DecodingSession):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` at ``slots`` (B, T) under the (T, T) ``ancestors`` mask; see the protocol."""
         done = self._check_inputs(codes, slots, ancestors, committed)
-        if self._fed is not None:  # a forward nobody kept anything of
-            self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
+        self._drop_unkept()
         depth, host_ancestors, tree_block = self._tree_of(ancestors)
-        plan = self.layout.plan(np.concatenate([done, done]) if self.guided else done, depth, host_ancestors)
+        rows_done = np.concatenate([done, done]) if self.guided else done
+        plan = self.layout.plan(rows_done, depth, host_ancestors)
         self._reserve(plan)
         fed = self._to_device(plan)
         self._check_continuation(slots, fed)
@@ -161,7 +163,7 @@ class SlotSession(DecodingSession):
                              f"ancestors {tuple(ancestors.shape)}; expected (B={self.batch_size}, T), "
                              "(B, T) and (T, T) with T >= 1.")
         done = None if isinstance(committed, torch.Tensor) or len(committed) != b else np.array(committed)
-        if done is None or done.dtype.kind not in "iu" or min(committed) < 0 or max(committed) > self.layout.slots:
+        if done is None or done.dtype.kind not in "iu" or done.min() < 0 or done.max() > self.layout.slots:
             raise ValueError(f"forward got committed={committed!r}; it must be a list of "
                              f"{self.batch_size} host integers in [0, {self.layout.slots}], the slots "
                              "each row has committed.")
@@ -195,7 +197,8 @@ class SlotSession(DecodingSession):
             self.mask.reserve(query_rows, capacity)
 
     def _to_device(self, plan: FedLayout) -> Fed:
-        arrays = {"positions": plan.positions, "columns": plan.columns, "slots": plan.slots[: self.batch_size]}
+        arrays = {"positions": plan.positions, "columns": plan.columns,
+                  "slots": plan.slots[: self.batch_size]}
         if plan.starting.any():
             arrays["starting"] = plan.starting
         if self._kept is not None:
@@ -204,8 +207,9 @@ class SlotSession(DecodingSession):
             arrays.update(token_node=plan.token_node, real=plan.real, row_end=plan.row_end,
                           outputs=plan.outputs, visible=plan.visible)
         tensors = host_to_device(arrays, self.device)
-        return Fed(plan.slots.shape[1], tensors["positions"], tensors["columns"], tensors["columns"][:, None],
-                   tensors["slots"], *(tensors.get(name) for name in OPTIONAL_FIELDS))
+        columns = tensors["columns"]
+        return Fed(plan.slots.shape[1], tensors["positions"], columns, columns[:, None], tensors["slots"],
+                   *(tensors.get(name) for name in _OPTIONAL))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
         """Fail (on the device, without waiting for it) when the slots or committed counts do not
@@ -244,16 +248,21 @@ class SlotSession(DecodingSession):
         self.mask.settle(fed.column_index, kept)
         self._kept = kept
 
+    def _drop_unkept(self) -> None:
+        """Throw away the last forward if nobody called keep after it."""
+        if self._fed is not None:
+            self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
+
     @torch.no_grad()
     def retain(self, rows: Sequence[int]) -> None:
         """Go on with only these batch rows (increasing indices into the current rows)."""
         listed = list(rows)
-        if not listed or any(not isinstance(r, (int, np.integer)) for r in listed) or listed != sorted(set(listed)) \
-                or listed[0] < 0 or listed[-1] >= self.batch_size:
+        integers = all(isinstance(r, (int, np.integer)) for r in listed)
+        if not listed or not integers or listed != sorted(set(listed)) or listed[0] < 0 \
+                or listed[-1] >= self.batch_size:
             raise ValueError(f"retain got rows={rows!r}; it needs increasing row indices in "
                              f"0..{self.batch_size - 1}, at least one.")
-        if self._fed is not None:
-            self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
+        self._drop_unkept()
         index = np.asarray(listed + ([self.batch_size + r for r in listed] if self.guided else []))
         on_device = torch.from_numpy(index).to(self.device)
         self.layout.select_rows(index)

@@ -127,9 +127,10 @@ class GridLayout:
         token_node[end_rows, end_tokens] = end_nodes
         real[end_rows, end_tokens] = row_end[end_rows, end_tokens] = True
 
-        sees = ancestors[token_node[:, :, None], token_node[:, None, :]]
+        query, key = token_node[:, :, None], token_node[:, None, :]
+        sees = ancestors[query, key]
         order = np.arange(tokens)
-        own_row_end = (token_node[:, :, None] == token_node[:, None, :]) & (order[None, None, :] > order[None, :, None])
+        own_row_end = (query == key) & (order[None, None, :] > order[None, :, None])  # hidden from its code
         sees &= ~own_row_end & real[:, :, None] & real[:, None, :]
         return {"positions": code_positions[row_index, token_node] + row_end, "token_node": token_node,
                 "real": real, "row_end": row_end, "outputs": after - 1,
