@@ -143,9 +143,9 @@ def window_forward(session, seqs, cached, width=6):
     return session.forward(codes, slots, chain(width), [c + 1 for c in cached])
 
 
-def keep_first(session, take):
-    """Keep the first ``take[b]`` nodes of each row."""
-    session.keep(torch.arange(6)[None, :] < torch.tensor(take)[:, None])
+def keep_first(session, take, width=6):
+    """Keep the first ``take[b]`` of the ``width`` nodes of each row."""
+    session.keep(torch.arange(width)[None, :] < torch.tensor(take)[:, None])
 
 
 @torch.no_grad()
@@ -168,6 +168,30 @@ def test_rows_keep_different_counts(llama):
                                        atol=1e-5, rtol=1e-5)
         keep_first(session, take)
         cached = [c + k for c, k in zip(cached, take)]
+
+
+@torch.no_grad()
+def test_single_nodes_fed_without_a_mask_then_rows_that_drift_apart(llama):
+    """Rows of equal length fed one node each attend without a mask; once a row falls behind, the
+    mask buffer opens what those forwards kept and the session stays exact."""
+    prompts = [[1, 5, 7, 2, 9], [3, 6, 6, 2, 9]]
+    seqs = [CODES, CODES[::-1]]
+    refs = [reference_logits(llama, p, seq, GRID[1]) for p, seq in zip(prompts, seqs)]
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts], None, GRID)
+    settled = []
+    settle_range = session.mask.settle_range
+    session.mask.settle_range = lambda *args: (settled.append(args[1:]), settle_range(*args))
+    cached = [-1, -1]
+    for take in ([1, 1], [1, 1], [1, 1], [1, 0], [1, 1]):  # row 1 stays behind at the fourth step
+        out, _ = window_forward(session, seqs, cached, width=1)
+        for b in range(2):
+            torch.testing.assert_close(out[b, 0], refs[b][cached[b] + 1], atol=1e-5, rtol=1e-5)
+        keep_first(session, take, width=1)
+        cached = [c + k for c, k in zip(cached, take)]
+    assert settled == [(len(prompts[0]) - 1, len(prompts[0]) - 1 + 4)]  # once, when the rows drifted apart
+    out, _ = window_forward(session, seqs, cached, width=5)
+    for b in range(2):
+        torch.testing.assert_close(out[b], refs[b][cached[b] + 1:cached[b] + 6], atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

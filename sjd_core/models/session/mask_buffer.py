@@ -7,6 +7,7 @@ columns ``0 .. length_r - 1`` open, the rest blocked. A forward writes the visib
 fed tokens into their columns (``write_block``) and attends through a view of the buffer
 (``view``); ``settle`` then opens the columns of the kept tokens and blocks the others, for every
 query row. Each of these touches only the fed tokens' columns, never the cached prefix.
+``settle_range`` settles a run of columns that forwards without a mask left behind.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ class MaskBuffer:
         later query of row ``r``; the rest are blocked."""
         _, offsets = self._range(columns.shape[2])
         self._by_row[self._rows, self._every_query, columns] = self.values(offsets < kept.view(-1, 1, 1))
+
+    def settle_range(self, lengths: torch.Tensor, start: int, stop: int) -> None:
+        """Settle columns ``start .. stop - 1`` of every row at once: open below the row's length
+        ``lengths`` (rows,), blocked from it on, for every query row."""
+        columns = torch.arange(start, stop, device=self.device)
+        self.buffer[:, :, :, start:stop] = self.values(columns < lengths[:, None])[:, None, None, :]
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""

@@ -38,6 +38,7 @@ class Fed:
     """The device-side layout of the last forward (see :class:`.token_layout.FedLayout`)."""
 
     nodes: int
+    masked: bool  # whether the forward attended through the mask buffer
     positions: torch.Tensor
     columns: torch.Tensor  # (R, tokens)
     column_index: torch.Tensor  # (R, 1, tokens): the same, shaped to index the mask
@@ -83,6 +84,7 @@ class SlotSession(DecodingSession):
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._tree: tuple | None = None  # (weakref to ancestors, its version, (depth, host, block))
+        self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
 
     # ------------------------------------------------------------------ what a model adds
     def _inputs(self, codes: torch.Tensor, fed: Fed) -> torch.Tensor:
@@ -131,16 +133,11 @@ class SlotSession(DecodingSession):
         rows_done = np.concatenate([done, done]) if self.guided else done
         plan = self.layout.plan(rows_done, depth, host_ancestors)
         self._reserve(plan)
-        fed = self._to_device(plan)
+        fed = self._to_device(plan, rows_done == 0 if min(committed) == 0 else None)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
         self.store.plan(fed.columns, plan.width)
-        if plan.tokens == 1 and plan.lengths.min() + 1 == plan.width:
-            mask = None  # rows of equal length, one token each: every token sees every column
-        else:
-            self.mask.write_block(fed.column_index, tree_block if fed.visible is None
-                                  else self.mask.values(fed.visible))
-            mask = self.mask.view(plan.tokens, plan.width)
+        mask = self._attention_mask(plan, fed, tree_block)
         if mark is not None:
             mark()
         hidden = self._run(inputs, fed.positions, mask)
@@ -155,6 +152,25 @@ class SlotSession(DecodingSession):
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
 
+    def _attention_mask(self, plan: FedLayout, fed: Fed, tree_block: torch.Tensor) -> torch.Tensor | None:
+        """The forward's mask: a view of the mask buffer, or None when every token sees every
+        cached column (one token per row, rows of equal length, as in plain autoregression).
+
+        Forwards without a mask leave the buffer as it was (keep does not settle their columns);
+        the next forward that needs it first opens what those forwards' rows kept.
+        """
+        if fed.masked:
+            if self._unsettled_from is not None:
+                self.mask.settle_range(to_device(torch.from_numpy(plan.lengths), self.device),
+                                       self._unsettled_from, int(plan.lengths.max()))
+                self._unsettled_from = None
+            self.mask.write_block(fed.column_index, tree_block if fed.visible is None
+                                  else self.mask.values(fed.visible))
+            return self.mask.view(plan.tokens, plan.width)
+        if self._unsettled_from is None:
+            self._unsettled_from = plan.width - 1
+        return None
+
     def _check_inputs(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
                       committed: Sequence[int]) -> np.ndarray:
         b, t = codes.shape
@@ -163,11 +179,12 @@ class SlotSession(DecodingSession):
                              f"ancestors {tuple(ancestors.shape)}; expected (B={self.batch_size}, T), "
                              "(B, T) and (T, T) with T >= 1.")
         done = None if isinstance(committed, torch.Tensor) or len(committed) != b else np.array(committed)
-        if done is None or done.dtype.kind not in "iu" or done.min() < 0 or done.max() > self.layout.slots:
+        last = self.layout.slots
+        if done is None or done.dtype.kind not in "iu" or not 0 <= min(committed) <= max(committed) <= last:
             raise ValueError(f"forward got committed={committed!r}; it must be a list of "
                              f"{self.batch_size} host integers in [0, {self.layout.slots}], the slots "
                              "each row has committed.")
-        return done.astype(np.int64, copy=False)
+        return done if done.dtype == np.int64 else done.astype(np.int64)
 
     def _tree_of(self, ancestors: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
         """(depth (T,), host ancestors (T, T), the tree's mask values (1, T, T) on the device).
@@ -196,11 +213,13 @@ class SlotSession(DecodingSession):
             self.store.reserve(capacity)
             self.mask.reserve(query_rows, capacity)
 
-    def _to_device(self, plan: FedLayout) -> Fed:
+    def _to_device(self, plan: FedLayout, starting: np.ndarray | None) -> Fed:
+        """The layout's arrays on the device; ``starting`` (rows,) marks rows whose node 0 is the
+        slot -1 token (None: no row)."""
         arrays = {"positions": plan.positions, "columns": plan.columns,
                   "slots": plan.slots[: self.batch_size]}
-        if plan.starting.any():
-            arrays["starting"] = plan.starting
+        if starting is not None:
+            arrays["starting"] = starting
         if self._kept is not None:
             arrays["expected_kept"] = plan.lengths - self._held
         if plan.token_node is not None:
@@ -208,8 +227,9 @@ class SlotSession(DecodingSession):
                           outputs=plan.outputs, visible=plan.visible)
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
-        return Fed(plan.slots.shape[1], tensors["positions"], columns, columns[:, None], tensors["slots"],
-                   *(tensors.get(name) for name in _OPTIONAL))
+        masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width
+        return Fed(plan.slots.shape[1], masked, tensors["positions"], columns, columns[:, None],
+                   tensors["slots"], *(tensors.get(name) for name in _OPTIONAL))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
         """Fail (on the device, without waiting for it) when the slots or committed counts do not
@@ -245,7 +265,8 @@ class SlotSession(DecodingSession):
         if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
             order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
             self.store.compact(fed.columns.gather(1, order), fed.columns)
-        self.mask.settle(fed.column_index, kept)
+        if fed.masked:
+            self.mask.settle(fed.column_index, kept)
         self._kept = kept
 
     def _drop_unkept(self) -> None:

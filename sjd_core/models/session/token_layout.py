@@ -39,7 +39,6 @@ class FedLayout:
     positions: np.ndarray  # (R, tokens) sequence position of each token
     columns: np.ndarray  # (R, tokens) cache column each token is written to
     lengths: np.ndarray  # (R,) columns each row held before this forward
-    starting: np.ndarray  # (R,) True where node 0 is the slot -1 token
     token_node: np.ndarray | None = None  # (R, tokens) node of each token (padding: 0)
     real: np.ndarray | None = None  # (R, tokens) False for padding tokens
     row_end: np.ndarray | None = None  # (R, tokens) True for row-end tokens
@@ -104,8 +103,7 @@ class GridLayout:
         if n not in self._offsets:
             self._offsets[n] = np.arange(n)
         return FedLayout(tokens=n, width=int(lengths.max()) + n, slots=slots, positions=positions,
-                         columns=lengths[:, None] + self._offsets[n], lengths=lengths,
-                         starting=committed == 0, **row_ends)
+                         columns=lengths[:, None] + self._offsets[n], lengths=lengths, **row_ends)
 
     @staticmethod
     def _row_ends(ends: np.ndarray, code_positions: np.ndarray, ancestors: np.ndarray) -> dict:
