@@ -7,7 +7,8 @@ columns ``0 .. length_r - 1`` open, the rest blocked. A forward writes the visib
 fed tokens into their columns (``write_block``) and attends through a view of the buffer
 (``view``); ``settle`` then opens the columns of the kept tokens and blocks the others, for every
 query row. Each of these touches only the fed tokens' columns, never the cached prefix.
-``settle_range`` settles a run of columns that forwards without a mask left behind.
+Forwards that attend without a mask (see the session) leave their columns blocked here;
+``settle_range`` opens such a run of columns in one step before the buffer is used again.
 """
 
 from __future__ import annotations
