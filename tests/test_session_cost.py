@@ -98,9 +98,11 @@ def test_forward_and_keep_do_a_pinned_number_of_operations(model, shape):
     assert 0 < counts["cache"] <= cache + MARGIN, counts
 
 
-def test_cache_scaling_bench_splits_every_iteration():
+@pytest.mark.parametrize("stand_in", [False, True])
+def test_cache_scaling_bench_splits_every_iteration(stand_in):
     network = session_bench.random_decoder()
-    outside, inside = session_bench.image_iterations(network, 4, True, session_bench.SplitClock())
+    outside, inside = session_bench.image_iterations(network, 4, True, session_bench.SplitClock(),
+                                                     stand_in)
     assert len(outside) == len(inside) == 6  # 16 slots, three kept per iteration
     assert min(outside) > 0 and min(inside) > 0
 

@@ -14,9 +14,9 @@ does all the work). Two measurements:
    the 64x64 / 16x16 ratio of the medians is printed, with and without row-end tokens (the
    Lumina-mGPT and Emu3 layout, or Janus-Pro's and LlamaGen's). A larger image's network also
    streams more keys and values through the CPU caches and evicts the session's own code and
-   data, which makes the same session work slower; so each size is also measured with the caches
-   emptied after every network pass (reading ``FLUSH_BYTES``, not counted on either side), which
-   compares the session's own work alone.
+   data, which makes the same session work slower; so each case is measured again with the
+   decoder replaced by a stand-in that only writes keys and values of the decoder's shapes into
+   the cache (:class:`CacheWritesOnly`): the session's own work alone, on the same cache sizes.
 2. Plain autoregression on the embedded reference model, one image: the session's share of each
    iteration, and the time per token of a greedy loop through the session next to transformers'
    own ``generate()`` on the same network.
@@ -28,7 +28,9 @@ import statistics
 import time
 
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..decoding.drafting import DraftTree
 from ..decoding.settings import AccelerationSettings
@@ -39,7 +41,6 @@ from ..models.reference import WEIGHTS_DIR, ReferenceModel
 CODEBOOK, ROW_END, CODES_FROM = 256, 1, 8  # token ids: 0 padding, 1 row end, 2..7 context, codes after
 TREE = AccelerationSettings.preset("pac", window=16, pd_candidates=4, pd_depth=3)
 KEPT = 3
-FLUSH_BYTES = 16 * 2**20  # more than a core's L2 cache on common CPUs
 
 
 def random_decoder(seed: int = 0) -> LlamaForCausalLM:
@@ -51,9 +52,29 @@ def random_decoder(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def decoder_parts(network: LlamaForCausalLM, row_end: bool) -> DecoderParts:
+class CacheWritesOnly(nn.Module):
+    """Stands in for a decoder: writes zero keys and values of its shapes into the cache, layer by
+    layer, and returns its inputs as hidden states, so that only the session's own work is left."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.layers, self.heads = config.num_hidden_layers, config.num_key_value_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+
+    def forward(self, inputs_embeds: torch.Tensor, cache, **ignored) -> BaseModelOutputWithPast:
+        rows, tokens, _ = inputs_embeds.shape
+        states = inputs_embeds.new_zeros(rows, self.heads, tokens, self.head_dim)
+        for layer in range(self.layers):
+            cache.update(states, states, layer)
+        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+
+
+def decoder_parts(network: LlamaForCausalLM, row_end: bool, stand_in: bool = False) -> DecoderParts:
+    """The parts of ``network`` for HFSession; ``stand_in`` replaces its decoder by
+    :class:`CacheWritesOnly`."""
     embed = network.model.embed_tokens
-    return DecoderParts(backbone=network.model, embed_tokens=embed,
+    backbone = CacheWritesOnly(network.config) if stand_in else network.model
+    return DecoderParts(backbone=backbone, embed_tokens=embed,
                         embed_codes=lambda codes: embed(codes + CODES_FROM),
                         code_logits=lambda hidden: network.lm_head(hidden)[..., CODES_FROM:],
                         row_end_id=ROW_END if row_end else None, device=torch.device("cpu"),
@@ -61,19 +82,12 @@ def decoder_parts(network: LlamaForCausalLM, row_end: bool) -> DecoderParts:
 
 
 class SplitClock:
-    """Splits a forward + keep into the session's time and the network's (thread CPU time).
+    """Splits a forward + keep into the session's time and the network's (thread CPU time)."""
 
-    With ``flush`` (a large tensor), reading it at the end of the network pass empties the CPU
-    caches before the session's time starts again; that read is counted on neither side.
-    """
-
-    def __init__(self, flush: torch.Tensor | None = None) -> None:
+    def __init__(self) -> None:
         self.marks: list[float] = []
-        self.flush = flush
 
     def mark(self) -> None:
-        if self.marks and self.flush is not None:
-            self.flush.sum()
         self.marks.append(time.thread_time())
 
     def iteration(self, forward, keep) -> tuple[float, float]:
@@ -89,13 +103,13 @@ class SplitClock:
 
 
 @torch.no_grad()
-def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock: SplitClock
-                     ) -> tuple[list[float], list[float]]:
+def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock: SplitClock,
+                     stand_in: bool = False) -> tuple[list[float], list[float]]:
     """Per iteration (outside, network) seconds of decoding a whole ``side`` x ``side`` image."""
     tree = DraftTree.build(TREE, torch.device("cpu"))
     contexts = [Context(ids=torch.arange(2, 8).repeat(2)), Context(ids=torch.tensor([2, 3, 7]))]
-    session = HFSession(decoder_parts(network, row_end), contexts[:1], contexts[1:], (side, side),
-                        max_nodes=tree.size)
+    session = HFSession(decoder_parts(network, row_end, stand_in), contexts[:1], contexts[1:],
+                        (side, side), max_nodes=tree.size)
     slots = side * side
     codes = torch.randint(0, CODEBOOK, (1, tree.size), generator=torch.Generator().manual_seed(side))
     path = tree.route[0]
@@ -114,26 +128,29 @@ def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock:
     return outside, inside
 
 
-def cache_scaling(network: LlamaForCausalLM, repeats: int) -> list[str]:
-    """Report lines: outside-the-network time per iteration at 16x16 and 64x64, and the ratio."""
+def cache_scaling(network: LlamaForCausalLM, repeats: int, rounds: int = 2) -> list[str]:
+    """Report lines: outside-the-network time per iteration at 16x16 and 64x64, and the ratio.
+
+    Each round decodes ``repeats`` 16x16 images (about as many iterations as one 64x64 image) and
+    one 64x64 image; alternating them spreads a changing load on the machine over both sizes.
+    """
     lines = []
-    flush = torch.zeros(FLUSH_BYTES // 4)
     for row_end in (True, False):
-        for clock in (SplitClock(), SplitClock(flush)):
-            label = "row ends" if row_end else "no row ends"
-            if clock.flush is not None:
-                label += ", caches emptied"
-            medians = {}
+        for stand_in in (False, True):
+            label = ("row ends" if row_end else "no row ends") + (", stand-in" if stand_in else ", decoder")
+            outside: dict[int, list[float]] = {16: [], 64: []}
+            inside: dict[int, list[float]] = {16: [], 64: []}
+            for _ in range(rounds):
+                for side in (16, 64):
+                    for _ in range(repeats if side == 16 else 1):
+                        o, i = image_iterations(network, side, row_end, SplitClock(), stand_in)
+                        outside[side] += o
+                        inside[side] += i
+            medians = {side: statistics.median(times) for side, times in outside.items()}
             for side in (16, 64):
-                outside, inside = [], []
-                for _ in range(repeats if side == 16 else 1):  # about as many iterations at both sizes
-                    o, i = image_iterations(network, side, row_end, clock)
-                    outside += o
-                    inside += i
-                medians[side] = statistics.median(outside)
-                network_time = statistics.median(inside)
-                lines.append(f"  {label}, {side}x{side}: {len(outside)} iterations, outside the network "
-                             f"{1e6 * medians[side]:.0f} us/it, network {1e6 * network_time:.0f} us/it")
+                lines.append(f"  {label}, {side}x{side}: {len(outside[side])} iterations, outside the "
+                             f"network {1e6 * medians[side]:.0f} us/it, network "
+                             f"{1e6 * statistics.median(inside[side]):.0f} us/it")
             lines.append(f"  {label}: ratio 64x64 / 16x16 = {medians[64] / medians[16]:.2f}")
     return lines
 
