@@ -39,13 +39,15 @@ def enumerate_joint(model: SyntheticModel, sampling: SamplingSettings) -> torch.
     slots = height * width
     images = torch.tensor(list(itertools.product(range(vocab), repeat=slots)))
     session = model.start(GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE,
-                                            batch_size=len(images), guidance=sampling.guidance))
+                                            batch_size=len(images), guidance=sampling.guidance,
+                                            max_nodes=1))
     chain = torch.ones(1, 1, dtype=torch.bool)
     keep = torch.ones(len(images), 1, dtype=torch.bool)
     probability = torch.ones(len(images))
     previous = torch.zeros(len(images), 1, dtype=torch.long)
     for slot in range(slots):
-        cond, uncond = session.forward(previous, torch.full_like(previous, slot - 1), chain)
+        cond, uncond = session.forward(previous, torch.full_like(previous, slot - 1), chain,
+                                       [slot] * len(images))
         session.keep(keep)
         p = process(cond, uncond, sampling)[:, 0]
         probability *= p.gather(1, images[:, slot:slot + 1]).squeeze(1)

@@ -9,6 +9,7 @@ causal forward over the whole sequence of the family's recipe (``row`` is ``"con
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -31,13 +32,14 @@ def check_window_equals_stepwise(model, request: GenerationRequest, reference: R
     n = len(codes)
     ref = reference(codes, "cond")[:n]
     session = model.start(request)
-    window, _ = session.forward(torch.tensor([[0] + codes[:-1]]), torch.arange(-1, n - 1)[None], chain(n))
+    window, _ = session.forward(torch.tensor([[0] + codes[:-1]]), torch.arange(-1, n - 1)[None], chain(n),
+                                [0])
     torch.testing.assert_close(window[0], ref, **TOL)
     session = model.start(request)
     steps = []
     for slot in range(-1, n - 1):
         out, _ = session.forward(torch.tensor([[0 if slot < 0 else codes[slot]]]), torch.tensor([[slot]]),
-                                 chain(1))
+                                 chain(1), [slot + 1])
         session.keep(torch.ones(1, 1, dtype=torch.bool))
         steps.append(out[0, 0])
     torch.testing.assert_close(torch.stack(steps), ref, **TOL)
@@ -52,14 +54,14 @@ def check_tree_equals_branches(model, request: GenerationRequest, reference: Ref
     a child under each for ``start + 1`` and a grandchild under the first branch.
     """
     session = model.start(request)
-    session.forward(torch.tensor([[0] + codes[:start]]), torch.arange(-1, start)[None], chain(start + 1))
+    session.forward(torch.tensor([[0] + codes[:start]]), torch.arange(-1, start)[None], chain(start + 1), [0])
     session.keep(torch.ones(1, start + 1, dtype=torch.bool))
     a, b, x, y, z = codes[start], codes[start + 1], codes[start + 2], codes[start + 3], codes[start + 4]
     tree_codes = torch.tensor([[a, b, x, y, z]])
     slots = torch.tensor([[start, start, start + 1, start + 1, start + 2]])
     ancestors = torch.eye(5, dtype=torch.bool)
     ancestors[2, 0] = ancestors[3, 1] = ancestors[4, 2] = ancestors[4, 0] = True
-    out, _ = session.forward(tree_codes, slots, ancestors)
+    out, _ = session.forward(tree_codes, slots, ancestors, [start + 1])
     branches = {0: [a], 1: [b], 2: [a, x], 3: [b, y], 4: [a, x, z]}
     for node, branch in branches.items():
         ref = reference(codes[:start] + branch, "cond")[-1]
@@ -81,9 +83,9 @@ def check_keep_path_then_continue(model, request: GenerationRequest, reference: 
     anc[3, 3] = anc[4, 4] = anc[5, 5] = anc[6, 6] = True
     anc[5, 3] = True  # (3, wrong) under (2, wrong)
     anc[6, 4] = True  # (3, right) under (2, right)
-    session.forward(node_codes, slots, anc)
+    session.forward(node_codes, slots, anc, [0])
     session.keep(torch.tensor([[True, True, True, False, True, False, True]]))
-    out, _ = session.forward(torch.tensor([codes[4:7]]), torch.tensor([[4, 5, 6]]), chain(3))
+    out, _ = session.forward(torch.tensor([codes[4:7]]), torch.tensor([[4, 5, 6]]), chain(3), [5])
     torch.testing.assert_close(out[0], reference(codes[:7], "cond")[5:8], **TOL)
 
 
@@ -95,10 +97,46 @@ def check_batched_guidance(model, request: GenerationRequest, reference: Referen
     assert session.guided and session.batch_size == len(rows)
     n = len(rows[0])
     cond, uncond = session.forward(torch.tensor([[0] + r[:-1] for r in rows]),
-                                   torch.arange(-1, n - 1).expand(len(rows), n), chain(n))
+                                   torch.arange(-1, n - 1).expand(len(rows), n), chain(n), [0] * len(rows))
     for b, r in enumerate(rows):
         torch.testing.assert_close(cond[b], reference(r, "cond")[:n], **TOL)
         torch.testing.assert_close(uncond[b], reference(r, "uncond")[:n], **TOL)
+
+
+def _window(session, seqs: list[list[int]], cached: list[int], width: int):
+    """Feed each row a chain of ``width`` nodes from its first uncached slot ``cached[b]``."""
+    last = session.grid_height * session.grid_width - 1
+    slots = torch.stack([torch.arange(c, c + width) for c in cached]).clamp(max=last)
+    codes = torch.tensor([[0 if s < 0 else seq[s] for s in row.tolist()] for seq, row in zip(seqs, slots)])
+    return session.forward(codes, slots, chain(width), [c + 1 for c in cached])
+
+
+def _keep_first(session, take: list[int], width: int) -> None:
+    session.keep(torch.arange(width)[None, :] < torch.tensor(take)[:, None])
+
+
+@torch.no_grad()
+def check_retain_and_probe(model, request: GenerationRequest, codes: list[int], width: int = 5) -> None:
+    """Three guided rows drift apart, a probe forward is thrown away, rows 0 and 2 are retained:
+    from then on their outputs equal those of a session that only ever had rows 0 and 2 (the
+    forward after the probe is narrower, so the probe's last columns must be closed again)."""
+    assert request.batch_size == 3 and request.guidance != 1.0
+    seqs = [codes[i:] + codes[:i] for i in (0, 3, 7)]
+    whole, alone = model.start(request), model.start(replace(request, batch_size=2))
+    cached = [-1, -1, -1]
+    for take in ([3, 5, 2], [2, 1, 4]):
+        _window(whole, seqs, cached, width)
+        _window(alone, [seqs[0], seqs[2]], [cached[0], cached[2]], width)
+        _keep_first(whole, take, width)
+        _keep_first(alone, [take[0], take[2]], width)
+        cached = [c + k for c, k in zip(cached, take)]
+    _window(whole, seqs[::-1], cached, width)  # a probe, thrown away
+    _keep_first(whole, [0, 0, 0], width)
+    whole.retain([0, 2])
+    assert whole.batch_size == 2
+    for got, want in zip(*(_window(session, [seqs[0], seqs[2]], [cached[0], cached[2]], width - 2)
+                           for session in (whole, alone))):
+        torch.testing.assert_close(got, want, **TOL)
 
 
 LOSSLESS_MODES = {

@@ -8,6 +8,7 @@ from sjd_core.models.chameleon import VQGAN_PLACES
 from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from tests import family_checks as fc
 from tests.tiny_checkpoints import (CHAMELEON_CODES, cached_copy, chameleon_reference, write_anole,
                                     write_lumina, write_vqgan)
 
@@ -145,14 +146,14 @@ def test_window_equals_stepwise_across_row_ends(lumina, reference):
     ref = reference_logits(reference, context, CODES[:40])
     session = lumina.start(GenerationRequest(prompt="a fox"))
     slots = torch.arange(-1, 40)[None]  # crosses the row end after slot 31
-    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), slots, chain(41))
+    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), slots, chain(41), [0])
     assert uncond is None
     torch.testing.assert_close(cond[0], ref, atol=1e-4, rtol=1e-4)
     step = lumina.start(GenerationRequest(prompt="a fox"))
     one = torch.ones(1, 1, dtype=torch.bool)
     outs = []
     for s in range(-1, 40):
-        out, _ = step.forward(torch.tensor([[0 if s < 0 else CODES[s]]]), torch.tensor([[s]]), chain(1))
+        out, _ = step.forward(torch.tensor([[0 if s < 0 else CODES[s]]]), torch.tensor([[s]]), chain(1), [s + 1])
         step.keep(one)
         outs.append(out[0, 0])
     torch.testing.assert_close(torch.stack(outs), cond[0], atol=1e-4, rtol=1e-4)
@@ -163,7 +164,7 @@ def test_tree_equals_branches_and_keep_continue(lumina, reference):
     context = lumina.prompt_ids("a fox", (512, 512))
     session = lumina.start(GenerationRequest(prompt="a fox"))
     prefix = CODES[:30]
-    session.forward(torch.tensor([[0] + prefix]), torch.arange(-1, 30)[None], chain(31))
+    session.forward(torch.tensor([[0] + prefix]), torch.arange(-1, 30)[None], chain(31), [0])
     session.keep(torch.ones(1, 31, dtype=torch.bool))
     # slot 30: candidates a/b; slot 31 (ends the row): children; slot 32 after the row end
     a, b, x, y, z = 7, 9, 11, 13, 15
@@ -171,12 +172,12 @@ def test_tree_equals_branches_and_keep_continue(lumina, reference):
     slots = torch.tensor([[30, 30, 31, 31, 32]])
     anc = torch.eye(5, dtype=torch.bool)
     anc[2, 0] = anc[3, 1] = anc[4, 3] = anc[4, 1] = True
-    tree, _ = session.forward(codes, slots, anc)
+    tree, _ = session.forward(codes, slots, anc, [31])
     for node, branch in {0: [a], 1: [b], 2: [a, x], 3: [b, y], 4: [b, y, z]}.items():
         want = reference_logits(reference, context, prefix + branch)[-1]
         torch.testing.assert_close(tree[0, node], want, atol=1e-4, rtol=1e-4)
     session.keep(torch.tensor([[False, True, False, True, True]]))  # accept b, y, z
-    out, _ = session.forward(torch.tensor([[CODES[33], CODES[34]]]), torch.tensor([[33, 34]]), chain(2))
+    out, _ = session.forward(torch.tensor([[CODES[33], CODES[34]]]), torch.tensor([[33, 34]]), chain(2), [34])
     want = reference_logits(reference, context, prefix + [b, y, z] + CODES[33:35])[-2:]
     torch.testing.assert_close(out[0], want, atol=1e-4, rtol=1e-4)
 
@@ -186,13 +187,13 @@ def test_anole_window_tree_and_keep(anole, anole_dir):
     ref = chameleon_reference(anole_dir)
     context = anole.prompt_ids("a fox", (512, 512))
     session = anole.start(GenerationRequest(prompt="a fox", guidance=3.0))
-    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), torch.arange(-1, 40)[None], chain(41))
+    cond, uncond = session.forward(torch.tensor([[0] + CODES[:40]]), torch.arange(-1, 40)[None], chain(41), [0])
     torch.testing.assert_close(cond[0], reference_logits(ref, context, CODES[:40], None), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(uncond[0], reference_logits(ref, [0, 8197], CODES[:40], None), atol=1e-4, rtol=1e-4)
     session.keep(torch.arange(41)[None] < 31)  # slots -1..29 kept
     anc = torch.eye(4, dtype=torch.bool)
     anc[2, 0] = anc[3, 1] = True  # two branches of two codes from slot 30
-    tree, _ = session.forward(torch.tensor([[3, 4, 5, 6]]), torch.tensor([[30, 30, 31, 31]]), anc)
+    tree, _ = session.forward(torch.tensor([[3, 4, 5, 6]]), torch.tensor([[30, 30, 31, 31]]), anc, [31])
     for node, branch in {0: [3], 1: [4], 2: [3, 5], 3: [4, 6]}.items():
         want = reference_logits(ref, context, CODES[:30] + branch, None)[-1]
         torch.testing.assert_close(tree[0, node], want, atol=1e-4, rtol=1e-4)
@@ -202,7 +203,7 @@ def test_anole_window_tree_and_keep(anole, anole_dir):
 def test_guidance_batch_equals_separate_forwards(lumina, reference):
     session = lumina.start(GenerationRequest(prompt="a fox", guidance=3.0, batch_size=2))
     codes = torch.tensor([[0] + CODES[:35], [0] + CODES[35:70]])
-    cond, uncond = session.forward(codes, torch.arange(-1, 35).expand(2, -1), chain(36))
+    cond, uncond = session.forward(codes, torch.arange(-1, 35).expand(2, -1), chain(36), [0, 0])
     context = lumina.prompt_ids("a fox", (512, 512))
     for row in range(2):
         c = codes[row, 1:].tolist()
@@ -211,11 +212,16 @@ def test_guidance_batch_equals_separate_forwards(lumina, reference):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_retained_rows_and_a_thrown_away_probe(lumina):
+    request = GenerationRequest(prompt="a fox", guidance=3.0, batch_size=3)
+    fc.check_retain_and_probe(lumina, request, CODES, width=36)  # windows cross the row end after slot 31
+
+
 @torch.no_grad()
 def test_one_prompt_per_row(lumina, reference):
     prompts = ["a fox", "a watercolor painting of a lighthouse at dusk"]
     session = lumina.start(GenerationRequest(prompt="", batch_size=2, extra={"prompts": prompts}))
-    cond, _ = session.forward(torch.tensor([[0, 7], [0, 7]]), torch.tensor([[-1, 0], [-1, 0]]), chain(2))
+    cond, _ = session.forward(torch.tensor([[0, 7], [0, 7]]), torch.tensor([[-1, 0], [-1, 0]]), chain(2), [0, 0])
     for row, prompt in enumerate(prompts):
         want = reference_logits(reference, lumina.prompt_ids(prompt, (512, 512)), [7])
         torch.testing.assert_close(cond[row], want, atol=1e-4, rtol=1e-4)
@@ -227,7 +233,7 @@ def test_negative_prompt_replaces_unconditional_text(lumina):
     session = lumina.start(GenerationRequest(prompt="a fox", negative_prompt="blurry", guidance=2.0))
     assert session.guided
     # the unconditional row's slot -1 position: its context minus the last token
-    assert int(session._base[1]) == len(lumina.prompt_ids("blurry", (512, 512))) - 1
+    assert int(session.layout.start[1]) == len(lumina.prompt_ids("blurry", (512, 512))) - 1
 
 
 # ----------------------------------------------------------------------------- engine

@@ -72,7 +72,8 @@ def test_prompt_and_structural_tokens_follow_the_recipe(model):
 
 def test_negative_prompt_defaults_to_the_official_one(model, monkeypatch):
     seen = []
-    monkeypatch.setattr(emu3, "HFSession", lambda parts, cond, uncond, grid: seen.append((cond, uncond)))
+    monkeypatch.setattr(emu3, "HFSession", lambda parts, cond, uncond, grid, max_nodes:
+                        seen.append((cond, uncond)))
     model.start(GenerationRequest(prompt="a cat", guidance=3.0))
     cond, uncond = seen[0]
     assert uncond[0].ids.tolist() == model.prompt_ids(emu3.NEGATIVE_PROMPT, GRID)
@@ -93,6 +94,10 @@ def test_keep_path_then_continue_equals_fresh_forward(model):
 
 def test_batched_guidance_equals_separate_forwards(model):
     fc.check_batched_guidance(model, request(3.0, batch=2), make_reference(model), [CODES[:9], CODES[7:]])
+
+
+def test_retained_rows_and_a_thrown_away_probe(model):
+    fc.check_retain_and_probe(model, request(3.0, batch=3), CODES)
 
 
 def test_greedy_codes_identical_in_every_lossless_mode(model):

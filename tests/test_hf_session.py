@@ -1,11 +1,12 @@
 """HFSession on a tiny random LlamaForCausalLM: windows, trees, keep, batched guidance (fp32)."""
 
+import re
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sjd_core.models import hf_session
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
@@ -26,8 +27,7 @@ def parts(model: LlamaForCausalLM, row_end: int | None = ROW_END) -> DecoderPart
     return DecoderParts(
         backbone=model.model, embed_tokens=emb, embed_codes=lambda c: emb(c + OFFSET),
         code_logits=lambda h: model.lm_head(h)[..., OFFSET:OFFSET + CODEBOOK],
-        row_end_id=row_end, device=torch.device("cpu"), dtype=torch.float32,
-        cache_config=model.config)
+        row_end_id=row_end, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def sequence_ids(prompt: list[int], codes: list[int], width: int, row_end: bool) -> list[int]:
@@ -68,7 +68,7 @@ def test_window_equals_stepwise_across_row_ends(llama):
     # window of slots -1..6 crosses the first row end (after slot 3)
     slots = torch.arange(-1, 7)[None]
     codes = torch.tensor([[0] + CODES[:7]])
-    cond, uncond = session.forward(codes, slots, chain(8))
+    cond, uncond = session.forward(codes, slots, chain(8), [0])
     assert uncond is None
     torch.testing.assert_close(cond[0], ref[:8], atol=1e-5, rtol=1e-5)
     # one at a time from a fresh session
@@ -76,7 +76,7 @@ def test_window_equals_stepwise_across_row_ends(llama):
     outs = []
     for s in range(-1, 11):
         code = 0 if s < 0 else CODES[s]
-        out, _ = step.forward(torch.tensor([[code]]), torch.tensor([[s]]), chain(1))
+        out, _ = step.forward(torch.tensor([[code]]), torch.tensor([[s]]), chain(1), [s + 1])
         step.keep(torch.ones(1, 1, dtype=torch.bool))
         outs.append(out[0, 0])
     torch.testing.assert_close(torch.stack(outs), ref[:12], atol=1e-5, rtol=1e-5)
@@ -85,7 +85,7 @@ def test_window_equals_stepwise_across_row_ends(llama):
 @torch.no_grad()
 def test_tree_equals_each_branch(llama):
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
-    session.forward(torch.tensor([[0] + CODES[:2]]), torch.arange(-1, 2)[None], chain(3))
+    session.forward(torch.tensor([[0] + CODES[:2]]), torch.arange(-1, 2)[None], chain(3), [0])
     session.keep(torch.ones(1, 3, dtype=torch.bool))
     # committed slots 0,1; tree: slot 2 has candidates a,b; slot 3 (row end) children; slot 4 chain
     #   node: 0:(2,a) 1:(2,b) 2:(3,a->x) 3:(3,b->y) 4:(4, after x)
@@ -93,7 +93,7 @@ def test_tree_equals_each_branch(llama):
     slots = torch.tensor([[2, 2, 3, 3, 4]])
     anc = torch.eye(5, dtype=torch.bool)
     anc[2, 0] = anc[3, 1] = anc[4, 2] = anc[4, 0] = True
-    tree, _ = session.forward(codes, slots, anc)
+    tree, _ = session.forward(codes, slots, anc, [3])
     branches = {0: [20], 1: [21], 2: [20, 30], 3: [21, 31], 4: [20, 30, 5]}
     for node, branch in branches.items():
         ref = reference_logits(llama, PROMPT, CODES[:2] + branch, GRID[1])
@@ -112,9 +112,9 @@ def test_keep_path_then_continue_equals_fresh(llama):
     anc[5, :4] = True
     anc[6, :3] = True
     anc[6, 4] = True  # node 6 = (3, 8) under node 4 = (2, 33)
-    session.forward(codes, slots, anc)
+    session.forward(codes, slots, anc, [0])
     session.keep(torch.tensor([[True, True, True, False, True, False, True]]))  # path 4,17,33,8
-    out, _ = session.forward(torch.tensor([[0, 39, 12]]), torch.tensor([[4, 5, 6]]), chain(3))
+    out, _ = session.forward(torch.tensor([[0, 39, 12]]), torch.tensor([[4, 5, 6]]), chain(3), [5])
     ref = reference_logits(llama, PROMPT, CODES[:7], GRID[1])
     torch.testing.assert_close(out[0], ref[5:8], atol=1e-5, rtol=1e-5)
 
@@ -127,7 +127,7 @@ def test_batched_guidance_equals_separate_forwards(llama):
                         [Context(ids=torch.tensor(p)) for p in uncond_prompts], GRID)
     codes = torch.tensor([[0] + CODES[:5], [0] + CODES[3:8]])
     slots = torch.arange(-1, 5).expand(2, 6)
-    cond, uncond = session.forward(codes, slots, chain(6))
+    cond, uncond = session.forward(codes, slots, chain(6), [0, 0])
     for b in range(2):
         c = codes[b, 1:].tolist()
         torch.testing.assert_close(cond[b], reference_logits(llama, cond_prompts[b], c, GRID[1])[:6],
@@ -136,11 +136,20 @@ def test_batched_guidance_equals_separate_forwards(llama):
                                    atol=1e-5, rtol=1e-5)
 
 
+def window_forward(session, seqs, cached, width=6):
+    """Feed each row a chain of ``width`` nodes from its first uncached slot ``cached[b]``."""
+    slots = torch.stack([torch.arange(c, c + width) for c in cached]).clamp(max=11)
+    codes = torch.tensor([[0 if s < 0 else seq[s] for s in row.tolist()] for seq, row in zip(seqs, slots)])
+    return session.forward(codes, slots, chain(width), [c + 1 for c in cached])
+
+
+def keep_first(session, take, width=6):
+    """Keep the first ``take[b]`` of the ``width`` nodes of each row."""
+    session.keep(torch.arange(width)[None, :] < torch.tensor(take)[:, None])
+
+
 @torch.no_grad()
-def test_rows_keep_different_counts(llama, monkeypatch):
-    compactions = []
-    compact = HFSession._compact
-    monkeypatch.setattr(HFSession, "_compact", lambda self, n: (compactions.append(n), compact(self, n)))
+def test_rows_keep_different_counts(llama):
     prompts = [[1, 5, 7, 2, 9], [1, 6, 2, 9]]
     uncond_prompts = [[2, 9], [3, 2, 9]]
     seqs = [CODES, CODES[::-1]]
@@ -148,22 +157,96 @@ def test_rows_keep_different_counts(llama, monkeypatch):
              reference_logits(llama, uncond_prompts[b], seqs[b], GRID[1])) for b in range(2)]
     session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts],
                         [Context(ids=torch.tensor(p)) for p in uncond_prompts], GRID)
-    session.compact_min = 0  # compact as soon as rows diverge, to exercise it
     cached = [-1, -1]  # per row: first slot not yet in the cache
     for take in ([6, 1], [1, 6], [0, 4], [3, 0], [2, 5]):
-        slots = torch.stack([torch.arange(c, c + 6) for c in cached]).clamp(max=11)
-        codes = torch.tensor([[0 if s < 0 else seqs[b][s] for s in slots[b].tolist()] for b in range(2)])
-        cond, uncond = session.forward(codes, slots, chain(6))
+        cond, uncond = window_forward(session, seqs, cached)
         for b in range(2):
             n = min(6, 12 - cached[b])  # nodes past the grid's end are padding
             torch.testing.assert_close(cond[b, :n], refs[b][0][cached[b] + 1:cached[b] + 1 + n],
                                        atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(uncond[b, :n], refs[b][1][cached[b] + 1:cached[b] + 1 + n],
                                        atol=1e-5, rtol=1e-5)
-        keep = torch.arange(6)[None, :] < torch.tensor(take)[:, None]
-        session.keep(keep)
+        keep_first(session, take)
         cached = [c + k for c, k in zip(cached, take)]
-    assert compactions, "rows diverged but the cache was never compacted"
+
+
+@torch.no_grad()
+def test_single_nodes_fed_without_a_mask_then_rows_that_drift_apart(llama):
+    """Rows of equal length fed one node each attend without a mask; once a row falls behind, the
+    mask buffer opens what those forwards kept and the session stays exact."""
+    prompts = [[1, 5, 7, 2, 9], [3, 6, 6, 2, 9]]
+    seqs = [CODES, CODES[::-1]]
+    refs = [reference_logits(llama, p, seq, GRID[1]) for p, seq in zip(prompts, seqs)]
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts], None, GRID)
+    settled = []
+    settle_range = session.mask.settle_range
+    session.mask.settle_range = lambda *args: (settled.append(args[1:]), settle_range(*args))
+    cached = [-1, -1]
+    for take in ([1, 1], [1, 1], [1, 1], [1, 0], [1, 1]):  # row 1 stays behind at the fourth step
+        out, _ = window_forward(session, seqs, cached, width=1)
+        for b in range(2):
+            torch.testing.assert_close(out[b, 0], refs[b][cached[b] + 1], atol=1e-5, rtol=1e-5)
+        keep_first(session, take, width=1)
+        cached = [c + k for c, k in zip(cached, take)]
+    assert settled == [(len(prompts[0]) - 1, len(prompts[0]) - 1 + 4)]  # once, when the rows drifted apart
+    out, _ = window_forward(session, seqs, cached, width=5)
+    for b in range(2):
+        torch.testing.assert_close(out[b], refs[b][cached[b] + 1:cached[b] + 6], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_retained_rows_equal_a_session_that_never_had_the_others(llama):
+    prompts, uncond_prompts = [[1, 5, 7, 2, 9], [1, 6, 2, 9], [4, 9]], [[2, 9], [3, 2, 9], [5, 5, 2, 9]]
+    seqs = [CODES, CODES[::-1], CODES[3:] + CODES[:3]]
+
+    def start(rows):
+        return HFSession(parts(llama), [Context(ids=torch.tensor(prompts[r])) for r in rows],
+                         [Context(ids=torch.tensor(uncond_prompts[r])) for r in rows], GRID, max_nodes=6)
+
+    whole, alone = start([0, 1, 2]), start([0, 2])
+    cached = [-1, -1, -1]
+    for take in ([3, 6, 1], [5, 2, 4]):  # rows drift apart, crossing row ends
+        window_forward(whole, seqs, cached)
+        window_forward(alone, [seqs[0], seqs[2]], [cached[0], cached[2]])
+        keep_first(whole, take)
+        keep_first(alone, [take[0], take[2]])
+        cached = [c + k for c, k in zip(cached, take)]
+    whole.retain([0, 2])
+    assert whole.batch_size == 2
+    seqs, cached = [seqs[0], seqs[2]], [cached[0], cached[2]]
+    for take in ([2, 3], [1, 1]):
+        got, want = window_forward(whole, seqs, cached), window_forward(alone, seqs, cached)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        keep_first(whole, take)
+        keep_first(alone, take)
+        cached = [c + k for c, k in zip(cached, take)]
+
+
+@torch.no_grad()
+def test_probe_thrown_away_leaves_the_next_forward_unchanged(llama):
+    def start():
+        return HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))],
+                         [Context(ids=torch.tensor([2, 9]))], GRID)
+
+    probed, plain = start(), start()
+    for session in (probed, plain):
+        window_forward(session, [CODES], [-1])
+        keep_first(session, [3])
+    window_forward(probed, [CODES[::-1]], [2])  # crosses a row end, then thrown away
+    keep_first(probed, [0])
+    # a narrower forward: the probe's columns past it must be closed again
+    narrower = [window_forward(session, [CODES], [2], width=3) for session in (probed, plain)]
+    for got, want in zip(*narrower):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_forward_of_more_nodes_than_max_nodes_enlarges_the_cache(llama):
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID, max_nodes=2)
+    cond, _ = session.forward(torch.tensor([[0] + CODES[:10]]), torch.arange(-1, 10)[None], chain(11), [0])
+    torch.testing.assert_close(cond[0], reference_logits(llama, PROMPT, CODES, GRID[1])[:11],
+                               atol=1e-5, rtol=1e-5)
 
 
 SYNC_OPS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
@@ -171,44 +254,34 @@ SYNC_OPS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "
 
 
 class _HostReads(TorchFunctionMode):
-    """Records tensor operations that need values on the host, except on the ``allowed`` tensors."""
+    """Records tensor operations that need values on the host."""
 
-    def __init__(self, allowed: set[int]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.allowed, self.names = allowed, []
+        self.names = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         bool_index = name == "__getitem__" and any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:])
-        if (name in SYNC_OPS or bool_index) and not all(id(a) in self.allowed for a in tensors):
+        if name in SYNC_OPS or bool_index:
             self.names.append(name)
         return func(*args, **(kwargs or {}))
 
 
 @torch.no_grad()
-def test_steady_state_reads_nothing_back(llama, monkeypatch):
-    """After the first forward, forward + keep only touch the counts keep sent to the host."""
-    host_copies: set[int] = set()
-    send = hf_session._to_host_async
-
-    def tracked(values):
-        host, ready = send(values)
-        host_copies.add(id(host))
-        return host, ready
-
-    monkeypatch.setattr(hf_session, "_to_host_async", tracked)
+def test_steady_state_reads_nothing_back(llama):
+    """After the first forward of a tree, forward + keep read nothing from the device."""
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT)), Context(ids=torch.tensor([1, 9]))],
                         [Context(ids=torch.tensor([2, 9]))] * 2, GRID)
     tree = chain(4)
-    session.forward(torch.zeros(2, 4, dtype=torch.long), torch.arange(-1, 3).expand(2, 4), tree)
+    session.forward(torch.zeros(2, 4, dtype=torch.long), torch.arange(-1, 3).expand(2, 4), tree, [0, 0])
     session.keep(torch.tensor([[True, True, False, False], [True, False, False, False]]))
-    cached, reads = [1, 0], _HostReads(host_copies)
+    cached, reads = [1, 0], _HostReads()
     with reads:
         for _ in range(4):
             slots = torch.stack([torch.arange(c, c + 4) for c in cached]).clamp(max=11)
-            session.forward(torch.ones(2, 4, dtype=torch.long), slots, tree)
+            session.forward(torch.ones(2, 4, dtype=torch.long), slots, tree, [c + 1 for c in cached])
             session.keep(torch.tensor([[True, True, True, False], [True, True, False, False]]))
             cached = [cached[0] + 3, cached[1] + 2]
     assert reads.names == []
@@ -219,7 +292,32 @@ def test_steady_state_reads_nothing_back(llama, monkeypatch):
 
 
 @torch.no_grad()
-def test_slots_that_skip_the_cached_prefix_are_refused(llama):
+def test_slots_or_committed_that_do_not_continue_the_cache_are_refused(llama):
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
-    with pytest.raises(RuntimeError, match="do not continue the cached prefix"):
-        session.forward(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[3, 7, 11]]), chain(3))
+    with pytest.raises(RuntimeError, match="do not continue the cache"):
+        session.forward(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[3, 7, 11]]), chain(3), [0])
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
+    window_forward(session, [CODES], [-1])
+    keep_first(session, [2])  # slots -1 and 0 kept: committed is now 2, not 3
+    with pytest.raises(RuntimeError, match="do not continue the cache"):
+        window_forward(session, [CODES], [2])
+
+
+@torch.no_grad()
+def test_bad_arguments_name_the_input(llama):
+    with pytest.raises(ValueError, match="max_nodes=0 is not allowed"):
+        HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID, max_nodes=0)
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))] * 2, None, GRID)
+    codes, slots = torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), -1)
+    with pytest.raises(ValueError, match=r"committed=\[0\]; it must be a list of 2 host integers"):
+        session.forward(codes, slots, chain(1), [0])
+    with pytest.raises(ValueError, match="committed=tensor"):
+        session.forward(codes, slots, chain(1), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="keep.. called without a forward"):
+        session.keep(torch.ones(2, 1, dtype=torch.bool))
+    session.forward(codes, slots, chain(1), [0, 0])
+    with pytest.raises(ValueError, match=r"keep got a mask of shape \(1, 1\)"):
+        session.keep(torch.ones(1, 1, dtype=torch.bool))
+    for rows in ([], [1, 0], [0, 2], [0, 0]):
+        with pytest.raises(ValueError, match=re.escape(f"retain got rows={rows!r}") + ".*indices in 0..1"):
+            session.retain(rows)

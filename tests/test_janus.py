@@ -72,6 +72,10 @@ def test_batched_guidance_equals_separate_forwards(model):
     fc.check_batched_guidance(model, request(5.0, batch=2), make_reference(model), [CODES[:9], CODES[7:]])
 
 
+def test_retained_rows_and_a_thrown_away_probe(model):
+    fc.check_retain_and_probe(model, request(5.0, batch=3), CODES)
+
+
 def test_greedy_codes_identical_in_every_lossless_mode(model):
     forwards = fc.check_greedy_modes_agree(model, request(batch=2), guidance=5.0)
     assert forwards["ar"] == 16

@@ -225,6 +225,7 @@ def test_window_tree_keep_and_guidance_match_the_reference(kind, c2i, t2i, c2i_f
     fc.check_tree_equals_branches(model, req(), reference, CODES, start=2)
     fc.check_keep_path_then_continue(model, req(), reference, CODES)
     fc.check_batched_guidance(model, req(4.0, batch=2), reference, [CODES[:9], CODES[7:]])
+    fc.check_retain_and_probe(model, req(4.0, batch=3), CODES)
 
 
 def test_per_image_captions_of_different_lengths(t2i, t2i_folder):
@@ -237,7 +238,7 @@ def test_per_image_captions_of_different_lengths(t2i, t2i_folder):
                             extra={"caption_embeddings": captions, "caption_mask": mask})
     session = t2i.start(req)
     cond, uncond = session.forward(torch.tensor([[0] + CODES[:5]] * 2), torch.arange(-1, 5).expand(2, 6),
-                                   fc.chain(6))
+                                   fc.chain(6), [0, 0])
     for b, caption in enumerate(valid):
         ref = t2i_reference(t2i, t2i_folder, caption)
         torch.testing.assert_close(cond[b], ref(CODES[:6], "cond")[:6], **fc.TOL)

@@ -92,7 +92,7 @@ def test_dtypes(lumina_dir):
 
     session = model.start(GenerationRequest(prompt="a fox", guidance=2.0))
     cond, uncond = session.forward(torch.tensor([[0, 5]]), torch.tensor([[-1, 0]]),
-                                   torch.tril(torch.ones(2, 2, dtype=torch.bool)))
+                                   torch.tril(torch.ones(2, 2, dtype=torch.bool)), [0])
     assert cond.dtype == torch.float32 and torch.isfinite(cond).all() and torch.isfinite(uncond).all()
 
 

@@ -42,7 +42,7 @@ def models(llamagen_dir):
 def window_logits(model) -> torch.Tensor:
     session = model.start(GenerationRequest(prompt="hen"))
     n = len(CODES)
-    out, _ = session.forward(torch.tensor([[0] + CODES[:-1]]), torch.arange(-1, n - 1)[None], fc.chain(n))
+    out, _ = session.forward(torch.tensor([[0] + CODES[:-1]]), torch.arange(-1, n - 1)[None], fc.chain(n), [0])
     return out[0]
 
 

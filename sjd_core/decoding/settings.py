@@ -151,9 +151,11 @@ class AccelerationSettings:
         if self.window == 1:
             return "AR"
         parts = ["AUTO" if self.adaptive_shape else "SJD"]
+        # auto's label names only what differs from its own preset (AC and PD on, VP off)
         parts += [tag for tag, on in (("AC", self.adaptive_continuation),
                                       ("PD", self.proactive_drafting),
-                                      ("VP", self.verification_prediction)) if on]
+                                      ("VP", self.verification_prediction))
+                  if on and not (self.adaptive_shape and tag != "VP")]
         if self.relaxed != "none":
             parts.append(self.relaxed.upper())
         return "+".join(parts)

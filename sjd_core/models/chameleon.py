@@ -289,7 +289,7 @@ class ChameleonImageModel:
             backbone=self.model.model, embed_tokens=embed,
             embed_codes=lambda codes: embed(ids[codes.to(ids.device)]),
             code_logits=code_logits, row_end_id=self.row_end_id, device=self.device,
-            dtype=self.model.dtype, cache_config=self.model.config)
+            dtype=self.model.dtype)
 
     def start(self, request: GenerationRequest) -> HFSession:
         """Tokenise and prefill the conditional (and, with guidance, unconditional) contexts.
@@ -310,7 +310,7 @@ class ChameleonImageModel:
             negative = request.negative_prompt.strip()
             ids = self.prompt_ids(negative, resolution) if negative else self.unconditional_ids(resolution)
             uncond = [Context(ids=torch.tensor(ids))] * request.batch_size
-        return HFSession(self.parts(), cond, uncond, grid)
+        return HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, H, W) codes -> (B, pixels per code x (H, W), 3) float images in [0, 1] on the CPU."""

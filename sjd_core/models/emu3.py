@@ -139,8 +139,7 @@ class Emu3Model:
             backbone=text_model, embed_tokens=text_model.embed_tokens,
             embed_codes=lambda codes: text_model.embed_tokens(codes + start),
             code_logits=code_logits,
-            row_end_id=self.row_end_id, device=self.device, dtype=self.dtype,
-            cache_config=self.model.config.text_config)
+            row_end_id=self.row_end_id, device=self.device, dtype=self.dtype)
 
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
@@ -149,7 +148,7 @@ class Emu3Model:
         if request.guidance != 1.0:
             negative = request.negative_prompt or NEGATIVE_PROMPT
             uncond = [Context(ids=torch.tensor(self.prompt_ids(negative, grid)))] * request.batch_size
-        return HFSession(self.parts(), [cond] * request.batch_size, uncond, grid)
+        return HFSession(self.parts(), [cond] * request.batch_size, uncond, grid, request.max_nodes)
 
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()

@@ -80,7 +80,7 @@ class JanusModel:
             backbone=backbone, embed_tokens=backbone.get_input_embeddings(),
             embed_codes=self.model.prepare_embeddings_for_image_generation,
             code_logits=self.model.model.generation_head, row_end_id=None,
-            device=self.device, dtype=self.dtype, cache_config=self.model.config.text_config)
+            device=self.device, dtype=self.dtype)
 
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
@@ -89,7 +89,7 @@ class JanusModel:
         uncond = None
         if request.guidance != 1.0:
             uncond = [Context(ids=torch.tensor(self.unconditional_ids(ids)))] * request.batch_size
-        return HFSession(self.parts(), cond, uncond, grid)
+        return HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -213,39 +213,33 @@ class LlamaGenModel:
             self._t5 = (tokenizer, t5)
         return self._t5
 
-    def _caption_contexts(self, request: GenerationRequest
-                          ) -> tuple[list[Context], list[Context] | None, torch.Tensor]:
+    def _caption_contexts(self, request: GenerationRequest) -> tuple[list[Context], list[Context] | None]:
+        """Each caption's valid tokens, with the slot -1 token where the padded sequence puts it."""
         features = self.caption_features(request)
         null = self.model.cond_embedder.uncond_embedding
-        cond, uncond, shift = [], [], []
+        last = self.spec.cond_tokens - 1
+        cond, uncond = [], []
         for row in features:
             valid = len(row)
-            cond.append(Context(embeds=self._embed(row)))
+            cond.append(Context(embeds=self._embed(row), position=last))
             # LlamaGen's null caption under the same mask: its last `valid` rows
-            uncond.append(Context(embeds=self._embed(null[self.spec.cond_tokens - valid:])))
-            shift.append(self.spec.cond_tokens - valid)
-        guided = request.guidance != 1.0
-        shifts = torch.tensor(shift * (2 if guided else 1), device=self.device)
-        return cond, (uncond if guided else None), shifts
+            uncond.append(Context(embeds=self._embed(null[self.spec.cond_tokens - valid:]), position=last))
+        return cond, (uncond if request.guidance != 1.0 else None)
 
     # ------------------------------------------------------------------ session
-    def parts(self, shifts: torch.Tensor | None = None) -> DecoderParts:
+    def parts(self) -> DecoderParts:
         backbone = self.model.model
-        parts = DecoderParts(backbone=backbone, embed_tokens=backbone.embed_tokens,
-                             embed_codes=backbone.embed_tokens, code_logits=self.model.lm_head,
-                             row_end_id=None, device=self.device, dtype=self.dtype,
-                             cache_config=self.model.config)
-        if shifts is not None:
-            parts.slot_offsets = lambda slots, width, row_end: slots + 1 + shifts[:, None]
-        return parts
+        return DecoderParts(backbone=backbone, embed_tokens=backbone.embed_tokens,
+                            embed_codes=backbone.embed_tokens, code_logits=self.model.lm_head,
+                            row_end_id=None, device=self.device, dtype=self.dtype)
 
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
         if self.spec.kind == "c2i":
             cond, uncond = self._class_contexts(request)
-            return HFSession(self.parts(), cond, uncond, grid)
-        cond, uncond, shifts = self._caption_contexts(request)
-        return HFSession(self.parts(shifts), cond, uncond, grid)
+        else:
+            cond, uncond = self._caption_contexts(request)
+        return HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
     python -m sjd_core.tools.bench --threads 1                       # the embedded reference model
     python -m sjd_core.tools.bench --model synthetic --images 1      # a random 48x48 model
     python -m sjd_core.tools.bench --threads 1 --batch 4 --json bench.json
+    python -m sjd_core.tools.bench --cache-scaling --threads 1       # the session's own cost
 
 For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
 slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
@@ -10,7 +11,8 @@ speed-up against plain autoregression (AR), step compression and the share of th
 outside the network. On the reference model transformers' own ``generate()`` (with its
 classifier-free guidance, temperature and top-p: the same target distribution) runs too, as an
 outside reference; every speed-up is against the faster of the two ARs. A progress bar with ETA
-follows each image; a bad setting prints one line and exits with code 2. ``measure`` and
+follows each image; a bad setting prints one line and exits with code 2. ``--cache-scaling``
+measures the decoding session's own cost instead (see :mod:`.session_bench`). ``measure`` and
 ``format_table`` are shared with the reference-model benchmark.
 """
 
@@ -214,6 +216,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch (default 0: the usable cores, at most 4); 1 "
                              "keeps timings steady on a machine that is busy with other work")
+    parser.add_argument("--cache-scaling", action="store_true",
+                        help="measure the session's time outside the network per iteration at a "
+                             "16x16 and a 64x64 grid instead of comparing modes")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -231,7 +236,7 @@ def load(name: str, device: str) -> tuple[ImageTokenModel, list[str]]:
         from ..models.synthetic import SyntheticModel
 
         model = SyntheticModel(codebook_size=8192, grid=(48, 48), width=256, layers=4, heads=4,
-                               sharpness=3.0, max_fed=256, seed=0, device=device)
+                               sharpness=3.0, seed=0, device=device)
         return model, ["a red fox in the snow"]
     from ..models.reference import WEIGHTS_DIR
     from ..models.registry import load_model
@@ -251,6 +256,10 @@ def _run(args: argparse.Namespace) -> list[dict]:
     import torch
 
     threads = set_threads(args.threads)
+    if args.cache_scaling:
+        from . import session_bench
+
+        return session_bench.run()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, names = load(args.model, device)
     recipe = model.defaults

@@ -128,10 +128,10 @@ class _Timed:
         forward, keep = session.forward, session.keep
 
         def timed(fn, attr):
-            def run(*args):
+            def run(*args, **kwargs):
                 _sync(outer.model.device)
                 start = time.perf_counter()
-                out = fn(*args)
+                out = fn(*args, **kwargs)
                 _sync(outer.model.device)
                 setattr(outer, attr, getattr(outer, attr) + time.perf_counter() - start)
                 return out

@@ -95,7 +95,6 @@ class ReferenceModel:
             row_end_id=None,
             device=self.device,
             dtype=dtype,
-            cache_config=self.network.config,
         )
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
@@ -137,7 +136,7 @@ class ReferenceModel:
         if request.guidance != 1.0:
             negative = self.class_of(request.negative_prompt, "negative_prompt")
             uncond = [Context(ids=self._token(negative)) for _ in range(batch)]
-        return HFSession(self.parts, cond, uncond, self.grid)
+        return HFSession(self.parts, cond, uncond, self.grid, request.max_nodes)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, 16, 16) codes -> (B, 32, 32, 3) grey images in [0, 1] (garment light on dark)."""

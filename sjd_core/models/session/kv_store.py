@@ -1,0 +1,113 @@
+"""Preallocated keys and values of every attention layer, written and compacted in place.
+
+A layer's storage is one buffer ``(2, rows, heads, capacity, head_dim)``: its keys, then its
+values. It is allocated at the layer's first write, on the device and in the dtype of what the
+layer writes, so layers that an accelerate ``device_map`` runs elsewhere keep their cache there.
+Row ``r`` holds its entries in columns ``0 .. length_r - 1``; columns past that hold stale but
+finite values that the attention mask blocks.
+
+Per forward the session says where the new entries go (``plan``: a column per row and fed token,
+rows may differ) and how many columns attention reads (``width``); each layer then writes its new
+entries in place and reads views of its buffers. ``compact`` moves entries within rows (keeping an
+accepted path). Both touch only the columns they are given, so their cost does not grow with the
+cached prefix; ``select_rows`` and ``reserve`` copy the whole cache once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .transfer import to_device
+
+__all__ = ["KVStore"]
+
+
+class KVStore:
+    """The key/value cache of ``rows`` sequences, ``capacity`` columns each, for any number of layers."""
+
+    def __init__(self, rows: int, capacity: int) -> None:
+        self.rows, self.capacity = rows, capacity
+        self.width = 0
+        self._buffers: list[torch.Tensor | None] = []  # per layer: (2, rows, heads, capacity, dim)
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: its keys, values
+        self._columns: torch.Tensor | None = None
+        self._write_index: dict[tuple, torch.Tensor] = {}
+
+    def plan(self, columns: torch.Tensor, width: int) -> None:
+        """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
+        read columns ``0 .. width - 1``."""
+        self._columns, self.width = columns, width
+        self._write_index.clear()
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's new (rows, heads, tokens, dim) keys and values; return its cached views."""
+        cached_keys, cached_values = self._layer(layer, keys, values)
+        index = self._expanded(self._write_index, self._columns, keys.shape, keys.device)
+        cached_keys.scatter_(2, index, keys)
+        cached_values.scatter_(2, index, values)
+        return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
+
+    def compact(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """In every row, move the entries at columns ``source`` (rows, n) to columns ``target``."""
+        indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for buffer in self._buffers:
+            if buffer is None:
+                continue
+            key = (buffer.device, buffer.shape)
+            if key not in indices:
+                rows, n = source.shape
+                shape = (2, rows, buffer.shape[2], n, buffer.shape[4])
+                indices[key] = tuple(to_device(columns, buffer.device).view(1, rows, 1, n, 1).expand(shape)
+                                     for columns in (source, target))
+            take, put = indices[key]
+            buffer.scatter_(3, put, buffer.gather(3, take))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (in that order)."""
+        self._set([None if b is None else b.index_select(1, index if index.device == b.device else index.to(b.device)) for b in self._buffers])
+        self.rows = index.shape[0]
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` columns per row (a copy of the cache when it grows)."""
+        if capacity <= self.capacity:
+            return
+        grown = []
+        for buffer in self._buffers:
+            if buffer is not None:
+                larger = buffer.new_zeros((*buffer.shape[:3], capacity, buffer.shape[4]))
+                larger[:, :, :, : self.capacity] = buffer
+                buffer = larger
+            grown.append(buffer)
+        self._set(grown)
+        self.capacity = capacity
+
+    def _set(self, buffers: list[torch.Tensor | None]) -> None:
+        self._buffers = buffers
+        self._views = [None if b is None else (b[0], b[1]) for b in buffers]
+
+    def _layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (keys, values) buffers, allocated like ``keys`` at its first write."""
+        if layer < len(self._views) and self._views[layer] is not None:
+            return self._views[layer]
+        if keys.shape != values.shape or keys.dtype != values.dtype:
+            raise ValueError(f"layer {layer} writes keys {tuple(keys.shape)} {keys.dtype} and "
+                             f"values {tuple(values.shape)} {values.dtype}: this cache stores "
+                             "keys and values of the same shape and dtype together.")
+        buffers = self._buffers + [None] * (layer + 1 - len(self._buffers))
+        rows, heads, _, dim = keys.shape
+        buffers[layer] = keys.new_zeros((2, rows, heads, self.capacity, dim))
+        self._set(buffers)
+        return self._views[layer]
+
+    @staticmethod
+    def _expanded(known: dict, columns: torch.Tensor, shape: torch.Size, device: torch.device
+                  ) -> torch.Tensor:
+        """``columns`` (rows, n) as a scatter index of ``shape`` (rows, heads, n, dim) on ``device``,
+        built once per forward for each device and shape the layers use."""
+        key = (device, shape)
+        if key not in known:
+            rows, n = columns.shape
+            known[key] = to_device(columns, device).view(rows, 1, n, 1).expand(shape)
+        return known[key]

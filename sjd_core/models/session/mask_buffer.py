@@ -1,0 +1,104 @@
+"""The attention mask of every forward, kept between forwards and changed only where they differ.
+
+One buffer ``(rows, 1, query_rows, capacity)`` in the mask's dtype: additive floats (0 = attend,
+the dtype's most negative value = blocked, what transformers' eager and sdpa attention both
+read) or booleans (True = attend). Between forwards every query row of row ``r`` is the same:
+columns ``0 .. length_r - 1`` open, the rest blocked. A forward writes the visibility among its
+fed tokens into their columns (``write_block``) and attends through a view of the buffer
+(``view``); ``settle`` then opens the columns of the kept tokens and blocks the others, for every
+query row. Each of these touches only the fed tokens' columns, never the cached prefix.
+Forwards that attend without a mask (see the session) leave their columns blocked here;
+``settle_range`` opens such a run of columns in one step before the buffer is used again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MaskBuffer"]
+
+
+class MaskBuffer:
+    """Attention mask of ``rows`` sequences for up to ``query_rows`` fed tokens.
+
+    lengths: (rows,) columns each row holds when the buffer is made (open from the start).
+    """
+
+    def __init__(self, lengths: torch.Tensor, query_rows: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._blocked = False if dtype == torch.bool else torch.finfo(dtype).min
+        self._choices = (torch.tensor(0, dtype=dtype, device=device),
+                         torch.tensor(self._blocked, dtype=dtype, device=device))
+        columns = torch.arange(capacity, device=device)
+        settled = self.values(columns[None, :] < lengths.to(device)[:, None])
+        self._set(settled[:, None, None, :].expand(-1, 1, query_rows, -1).contiguous())
+
+    @property
+    def query_rows(self) -> int:
+        return self.buffer.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[3]
+
+    def values(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Booleans (True = may attend) as mask values of this buffer's dtype."""
+        if self.dtype == torch.bool:
+            return allowed
+        return torch.where(allowed, *self._choices)
+
+    def write_block(self, columns: torch.Tensor, block: torch.Tensor) -> None:
+        """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
+        (rows or 1, n, n) mask values say what each of them sees of the others."""
+        queries, _ = self._range(columns.shape[2])
+        self._by_row[self._rows, queries, columns] = block
+
+    def view(self, tokens: int, width: int) -> torch.Tensor:
+        """The (rows, 1, tokens, width) mask of a forward feeding ``tokens`` tokens."""
+        return self.buffer[:, :, :tokens, :width]
+
+    def settle(self, columns: torch.Tensor, kept: torch.Tensor) -> None:
+        """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
+        later query of row ``r``; the rest are blocked."""
+        _, offsets = self._range(columns.shape[2])
+        self._by_row[self._rows, self._every_query, columns] = self.values(offsets < kept.view(-1, 1, 1))
+
+    def settle_range(self, lengths: torch.Tensor, start: int, stop: int) -> None:
+        """Settle columns ``start .. stop - 1`` of every row at once: open below the row's length
+        ``lengths`` (rows,), blocked from it on, for every query row."""
+        columns = torch.arange(start, stop, device=self.device)
+        self.buffer[:, :, :, start:stop] = self.values(columns < lengths[:, None])[:, None, None, :]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (in that order)."""
+        self._set(self.buffer.index_select(0, index if index.device == self.device else index.to(self.device)))
+
+    def reserve(self, query_rows: int, capacity: int) -> None:
+        """Make room for ``query_rows`` fed tokens and ``capacity`` columns (a copy when it grows).
+
+        Called between forwards, when every query row of a row is the same.
+        """
+        if query_rows <= self.query_rows and capacity <= self.capacity:
+            return
+        rows, _, old_queries, old_capacity = self.buffer.shape
+        settled = self.buffer[:, :, :1, :]
+        larger = torch.full((rows, 1, max(query_rows, old_queries), max(capacity, old_capacity)),
+                            self._blocked, dtype=self.dtype, device=self.device)
+        larger[:, :, :, :old_capacity] = settled
+        self._set(larger)
+
+    def _set(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._by_row = buffer[:, 0]
+        rows, _, queries, _ = buffer.shape
+        self._rows = torch.arange(rows, device=self.device)[:, None, None]
+        self._every_query = torch.arange(queries, device=self.device)[None, :, None]
+        self._ranges: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _range(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``0 .. n - 1`` shaped (1, n, 1) (query rows) and (1, 1, n) (offsets), made once per n."""
+        if n not in self._ranges:
+            offsets = torch.arange(n, device=self.device)
+            self._ranges[n] = (offsets.view(1, n, 1), offsets.view(1, 1, n))
+        return self._ranges[n]

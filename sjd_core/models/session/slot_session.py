@@ -1,0 +1,299 @@
+"""The decoding-session contract over a preallocated cache, shared by every model family.
+
+:class:`SlotSession` does the :class:`~sjd_core.models.protocol.DecodingSession` bookkeeping
+once: the token layout of each forward (:mod:`.token_layout`, on the host), the key/value cache
+(:mod:`.kv_store`) and the attention mask (:mod:`.mask_buffer`), keep, retain and the checks
+that the caller's slots and committed counts continue what is cached. A model's session adds
+three things: the network inputs of the fed tokens, running the network, and its logits.
+
+Rows: the conditional contexts are rows ``0 .. B-1``, the unconditional ones (with guidance)
+rows ``B .. 2B-1``; one forward runs them all.
+
+Per forward the session reads nothing back from the device: the committed counts come from the
+caller, the tree's depths are read once per tree (the engine builds one per generation; a single
+node needs no read). Its own work is a fixed number of tensor operations on the fed tokens only,
+whatever the length of the cached prefix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..protocol import DecodingSession
+from .kv_store import KVStore
+from .mask_buffer import MaskBuffer
+from .token_layout import FedLayout, GridLayout
+from .transfer import host_to_device, to_device
+
+__all__ = ["Fed", "SlotSession"]
+
+
+@dataclass
+class Fed:
+    """The device-side layout of the last forward (see :class:`.token_layout.FedLayout`)."""
+
+    nodes: int
+    masked: bool  # whether the forward attended through the mask buffer
+    positions: torch.Tensor
+    columns: torch.Tensor  # (R, tokens)
+    column_index: torch.Tensor  # (R, 1, tokens): the same, shaped to index the mask
+    slots: torch.Tensor  # (B, T) the slots the layout assumes for the conditional rows
+    expected_kept: torch.Tensor | None  # (R,) tokens the last keep must have kept
+    starting: torch.Tensor | None  # (R,) rows whose node 0 is the slot -1 token
+    token_node: torch.Tensor | None
+    real: torch.Tensor | None
+    row_end: torch.Tensor | None
+    outputs: torch.Tensor | None
+    visible: torch.Tensor | None
+
+
+_OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
+
+
+class SlotSession(DecodingSession):
+    """A prefilled session for ``batch_size`` images on a ``grid`` (see the module docstring).
+
+    prefix, start: per row, the cache columns its context takes and the position of its slot -1
+        token (see :class:`.token_layout.GridLayout`).
+    max_nodes: the most nodes one forward feeds; the cache is sized once for it. A forward that
+        feeds more enlarges the cache (one copy) instead of failing.
+    mask_dtype: the attention mask's dtype (the model's dtype for additive masks, or bool).
+    """
+
+    def __init__(self, batch_size: int, guided: bool, grid: tuple[int, int], row_end: bool,
+                 prefix: Sequence[int], start: Sequence[int], max_nodes: int,
+                 device: torch.device, mask_dtype: torch.dtype) -> None:
+        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
+            raise ValueError(f"max_nodes={max_nodes!r} is not allowed: it must be an integer >= 1 "
+                             "(the most nodes one forward feeds).")
+        self.batch_size, self.guided = batch_size, guided
+        self.grid_height, self.grid_width = grid
+        self.device = torch.device(device)
+        self.layout = GridLayout(grid, row_end, prefix, start)
+        query_rows = self.layout.tokens_per_forward(max_nodes)
+        capacity = self.layout.capacity(query_rows)
+        self.store = KVStore(len(prefix), capacity)
+        self.mask = MaskBuffer(torch.from_numpy(self.layout.prefix), query_rows, capacity, mask_dtype,
+                               self.device)
+        self._fed: Fed | None = None
+        self._held: np.ndarray | None = None  # columns each row held before the last forward
+        self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
+        self._tree: tuple | None = None  # (weakref to ancestors, its version, (depth, host, block))
+        self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
+
+    # ------------------------------------------------------------------ what a model adds
+    def _inputs(self, codes: torch.Tensor, fed: Fed) -> torch.Tensor:
+        """Network inputs (R, tokens, ...) of the fed tokens, from ``codes`` (B, T) on the device."""
+        raise NotImplementedError
+
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+             ) -> torch.Tensor:
+        """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...).
+
+        ``mask`` (R, 1, n, width) says which cached columns each token sees; None: all of them.
+        """
+        raise NotImplementedError
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Codebook logits (R, T, codebook) in float32 on the session's device."""
+        raise NotImplementedError
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` of the model's own per-row state."""
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, inputs: torch.Tensor) -> None:
+        """Run the contexts, right-padded to ``n`` (R, n, ...), into cache columns 0 .. n - 1."""
+        n = inputs.shape[1]
+        if n == 0:
+            return
+        prefix = torch.from_numpy(self.layout.prefix).to(self.device)
+        order = torch.arange(n, device=self.device)
+        key, query = order[None, None, :], order[None, :, None]
+        allowed = (key <= query) & (key < prefix[:, None, None])
+        allowed |= torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
+        positions = order.expand(len(prefix), n)
+        self.store.plan(positions, n)
+        self._run(inputs, positions, self.mask.values(allowed)[:, None])
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+                committed: Sequence[int], mark: Callable[[], None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``codes`` at ``slots`` (B, T) under the (T, T) ``ancestors`` mask; see the protocol."""
+        done = self._check_inputs(codes, slots, ancestors, committed)
+        self._drop_unkept()
+        depth, host_ancestors, tree_block = self._tree_of(ancestors)
+        rows_done = np.concatenate([done, done]) if self.guided else done
+        plan = self.layout.plan(rows_done, depth, host_ancestors)
+        self._reserve(plan)
+        fed = self._to_device(plan, rows_done == 0 if min(committed) == 0 else None)
+        self._check_continuation(slots, fed)
+        inputs = self._inputs(to_device(codes, self.device), fed)
+        self.store.plan(fed.columns, plan.width)
+        mask = self._attention_mask(plan, fed, tree_block)
+        if mark is not None:
+            mark()
+        hidden = self._run(inputs, fed.positions, mask)
+        if fed.outputs is not None:
+            index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)
+        logits = self._logits(hidden)
+        if mark is not None:
+            mark()
+        self._fed, self._held = fed, plan.lengths
+        if self.guided:
+            return logits[: self.batch_size], logits[self.batch_size:]
+        return logits, None
+
+    def _attention_mask(self, plan: FedLayout, fed: Fed, tree_block: torch.Tensor) -> torch.Tensor | None:
+        """The forward's mask: a view of the mask buffer, or None when every token sees every
+        cached column (one token per row, rows of equal length, as in plain autoregression).
+
+        Forwards without a mask leave the buffer as it was (keep does not settle their columns);
+        the next forward that needs it first opens what those forwards' rows kept.
+        """
+        if fed.masked:
+            if self._unsettled_from is not None:
+                self.mask.settle_range(to_device(torch.from_numpy(plan.lengths), self.device),
+                                       self._unsettled_from, int(plan.lengths.max()))
+                self._unsettled_from = None
+            self.mask.write_block(fed.column_index, tree_block if fed.visible is None
+                                  else self.mask.values(fed.visible))
+            return self.mask.view(plan.tokens, plan.width)
+        if self._unsettled_from is None:
+            self._unsettled_from = plan.width - 1
+        return None
+
+    def _check_inputs(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+                      committed: Sequence[int]) -> np.ndarray:
+        b, t = codes.shape
+        if b != self.batch_size or t < 1 or slots.shape != codes.shape or ancestors.shape != (t, t):
+            raise ValueError(f"forward got codes {tuple(codes.shape)}, slots {tuple(slots.shape)}, "
+                             f"ancestors {tuple(ancestors.shape)}; expected (B={self.batch_size}, T), "
+                             "(B, T) and (T, T) with T >= 1.")
+        done = None if isinstance(committed, torch.Tensor) or len(committed) != b else np.array(committed)
+        last = self.layout.slots
+        if done is None or done.dtype.kind not in "iu" or not 0 <= min(committed) <= max(committed) <= last:
+            raise ValueError(f"forward got committed={committed!r}; it must be a list of "
+                             f"{self.batch_size} host integers in [0, {self.layout.slots}], the slots "
+                             "each row has committed.")
+        return done if done.dtype == np.int64 else done.astype(np.int64)
+
+    def _tree_of(self, ancestors: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """(depth (T,), host ancestors (T, T), the tree's mask values (1, T, T) on the device).
+
+        Read to the host once per distinct ancestors tensor (and again when it is changed in
+        place, which tensors made under inference mode do not record); a single node needs no read.
+        """
+        version = None if ancestors.is_inference() else ancestors._version
+        known = self._tree
+        if known is not None and known[0]() is ancestors and known[1] == version:
+            return known[2]
+        if ancestors.shape[0] == 1:
+            host = np.ones((1, 1), dtype=bool)
+        else:
+            host = ancestors.to("cpu", torch.bool).numpy()
+        block = self.mask.values(ancestors.to(self.device, torch.bool))[None]
+        shape = (host.sum(1).astype(np.int64) - 1, host, block)
+        self._tree = (weakref.ref(ancestors), version, shape)
+        return shape
+
+    def _reserve(self, plan: FedLayout) -> None:
+        """Enlarge cache and mask when a forward feeds more tokens than they were sized for."""
+        if plan.tokens > self.mask.query_rows or plan.width > self.store.capacity:
+            query_rows = max(plan.tokens, self.mask.query_rows)
+            capacity = self.layout.capacity(query_rows)
+            self.store.reserve(capacity)
+            self.mask.reserve(query_rows, capacity)
+
+    def _to_device(self, plan: FedLayout, starting: np.ndarray | None) -> Fed:
+        """The layout's arrays on the device; ``starting`` (rows,) marks rows whose node 0 is the
+        slot -1 token (None: no row)."""
+        arrays = {"positions": plan.positions, "columns": plan.columns,
+                  "slots": plan.slots[: self.batch_size]}
+        if starting is not None:
+            arrays["starting"] = starting
+        if self._kept is not None:
+            arrays["expected_kept"] = plan.lengths - self._held
+        if plan.token_node is not None:
+            arrays.update(token_node=plan.token_node, real=plan.real, row_end=plan.row_end,
+                          outputs=plan.outputs, visible=plan.visible)
+        tensors = host_to_device(arrays, self.device)
+        columns = tensors["columns"]
+        masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width
+        return Fed(plan.slots.shape[1], masked, tensors["positions"], columns, columns[:, None],
+                   tensors["slots"], *(tensors.get(name) for name in _OPTIONAL))
+
+    def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
+        """Fail (on the device, without waiting for it) when the slots or committed counts do not
+        continue what the session cached."""
+        continues = (to_device(slots, self.device) == fed.slots).all()
+        if fed.expected_kept is not None:
+            continues &= (self._kept == fed.expected_kept).all()
+        torch._assert_async(continues, "forward: slots and committed do not continue the cache: "
+                            "node 0 must sit at slot committed[b] - 1, every node at that slot plus "
+                            "its depth in the tree, and committed must grow by the nodes kept")
+
+    # ------------------------------------------------------------------ keep and retain
+    @torch.no_grad()
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the entries of the fed nodes where ``mask`` (B, T) is True, per row; drop the rest.
+
+        A kept node keeps all its tokens (code and row end). Kept entries move, in fed order, to
+        the columns right after the row's cached prefix; dropped ones are blocked in the mask.
+        """
+        fed = self._fed
+        if fed is None:
+            raise RuntimeError("keep() called without a forward() before it.")
+        if tuple(mask.shape) != (self.batch_size, fed.nodes):
+            raise ValueError(f"keep got a mask of shape {tuple(mask.shape)}; expected "
+                             f"(B={self.batch_size}, T={fed.nodes}), one entry per fed node.")
+        self._fed = None
+        keep = to_device(mask, self.device, torch.bool)
+        if self.guided:
+            keep = torch.cat([keep, keep])
+        if fed.token_node is not None:
+            keep = keep.gather(1, fed.token_node) & fed.real
+        kept = keep.sum(1)
+        if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
+            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+            self.store.compact(fed.columns.gather(1, order), fed.columns)
+        if fed.masked:
+            self.mask.settle(fed.column_index, kept)
+        self._kept = kept
+
+    def _drop_unkept(self) -> None:
+        """Throw away the last forward if nobody called keep after it."""
+        if self._fed is not None:
+            self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
+
+    @torch.no_grad()
+    def retain(self, rows: Sequence[int]) -> None:
+        """Go on with only these batch rows (increasing indices into the current rows)."""
+        listed = list(rows)
+        integers = all(isinstance(r, (int, np.integer)) for r in listed)
+        if not listed or not integers or listed != sorted(set(listed)) or listed[0] < 0 \
+                or listed[-1] >= self.batch_size:
+            raise ValueError(f"retain got rows={rows!r}; it needs increasing row indices in "
+                             f"0..{self.batch_size - 1}, at least one.")
+        self._drop_unkept()
+        chosen = listed + ([self.batch_size + r for r in listed] if self.guided else [])
+        index = np.asarray(chosen)
+        on_device = torch.tensor(chosen, device=self.device)
+        self.layout.select_rows(index)
+        self.store.select_rows(on_device)
+        self.mask.select_rows(on_device)
+        self._select_rows(on_device)
+        if self._held is not None:
+            self._held = self._held[index]
+        if self._kept is not None:
+            self._kept = self._kept.index_select(0, on_device)
+        self.batch_size = len(listed)
+
