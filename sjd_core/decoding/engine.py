@@ -29,7 +29,8 @@ from .drafting import NO_DRAFT, DraftTree, WindowState, add_candidates, initial_
     shift_window
 from .planner import Plan, make_plan
 from .sampling import RowRandom, exponential, process, sample
-from .settings import AccelerationSettings, SamplingSettings
+from ..messages import quote
+from .settings import MAX_BATCH, AccelerationSettings, SamplingSettings
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
 
@@ -58,10 +59,15 @@ class GenerationResult:
 
 def _check_arguments(request: GenerationRequest, seed: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
-        raise ValueError(f"seed={seed!r} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
-    if not isinstance(request.batch_size, int) or request.batch_size < 1:
-        raise ValueError(f"batch_size={request.batch_size!r} is not allowed: batch_size must be "
-                         "an integer >= 1.")
+        raise ValueError(f"seed={quote(seed)} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
+    batch = request.batch_size
+    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch_size={quote(batch)} is not allowed: batch_size must be an integer "
+                         f"in [1, {MAX_BATCH}]; draw more images in several runs.")
+    for name in ("prompt", "negative_prompt"):
+        if not isinstance(getattr(request, name), str):
+            raise ValueError(f"{name}={quote(getattr(request, name))} is not allowed: {name} must "
+                             "be a string.")
 
 
 class _Decoder:
@@ -216,6 +222,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     propagates; the model itself is left usable). Runs without autograd.
     """
     _check_arguments(request, seed)
+    acceleration.check_codebook(model.codebook_size)
     device = torch.device(model.device)
     plan: Plan = make_plan(acceleration, model, request, sampling, device)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
@@ -238,7 +245,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     meta = {"mode": plan.mode_name, "lossless": acceleration.lossless,
             "window": acceleration.window, "tree_nodes": plan.max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
-            "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy()}
+            "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
+            "warnings": [str(w) for w in getattr(session, "warnings", ())]}
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
     codes = decoder.codes.view(-1, decoder.stride)[:, :decoder.slots]

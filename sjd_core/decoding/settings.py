@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from ..messages import quote
+
 InitRule = Literal["uniform", "left"]
 RelaxedRule = Literal["none", "lantern", "gsd"]
 
@@ -19,15 +21,42 @@ RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
 PRESETS: tuple[str, ...] = ("ar", "sjd", "pac", "pac+vp")
 DEFAULT_PRESET = "pac+vp"  # what the nodes, the demo and the benchmarks run unless told otherwise
 
+# Limits that keep every run finite: larger values would only allocate without end. The nodes'
+# widgets stop at the same values; these hold for the API and for edited workflow files too.
+MAX_WINDOW = 256
+MAX_PD_CANDIDATES = 16
+MAX_PD_DEPTH = 16
+MAX_TREE_NODES = 1024  # nodes one forward feeds: the PD tree plus the chain after it
+MAX_BATCH = 64  # images per generate call; more runs as several calls
+
 
 def _require(condition: bool, setting: str, value: object, allowed: str) -> None:
     if not condition:
-        raise ValueError(f"{setting}={value!r} is not allowed: {setting} must be {allowed}.")
+        raise ValueError(f"{setting}={quote(value)} is not allowed: {setting} must be {allowed}.")
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(setting: str, value: object, low: int, high: int | None = None,
+             meaning: str = "") -> None:
+    """Refuse anything but an integer in [low, high] (no upper bound when ``high`` is None)."""
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    _require(_is_integer(value) and value >= low and (high is None or value <= high), setting,
+             value, f"an integer {bounds}{meaning}")
 
 
 def _finite(setting: str, value: float) -> None:
-    _require(isinstance(value, (int, float)) and math.isfinite(value), setting, value,
-             "a finite number (not NaN or infinity)")
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+             and math.isfinite(value), setting, value, "a finite number (not NaN or infinity)")
+
+
+def tree_nodes(window: int, candidates: int, depth: int) -> int:
+    """Nodes one forward feeds: the PD tree (``candidates`` children per node, ``depth`` levels
+    counting the root) plus the chain to the end of the window; a plain window is a chain."""
+    levels = depth - 1 if candidates > 1 else 0
+    return sum(candidates ** level for level in range(levels + 1)) + window - 1 - levels
 
 
 @dataclass(frozen=True)
@@ -49,8 +78,7 @@ class SamplingSettings:
         _require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
         _require(self.temperature > 0, "temperature", self.temperature,
                  "> 0 (for greedy decoding set top_k=1)")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
-                 "an integer >= 0 (0 = off, 1 = greedy)")
+        _integer("top_k", self.top_k, 0, meaning=" (0 = off, 1 = greedy)")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
 
 
@@ -90,29 +118,25 @@ class AccelerationSettings:
     gsd_embedding_tolerance: float = 0.5
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
-                 "an integer >= 1 (1 = plain autoregression)")
+        _integer("window", self.window, 1, MAX_WINDOW, " (1 = plain autoregression)")
         _require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
         _require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
                  f"one of {RELAXED_RULES}")
-        _require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
-                 "pd_candidates", self.pd_candidates, "an integer >= 1")
-        _require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
-                 self.pd_depth, "an integer >= 1")
-        _require(isinstance(self.vp_rises, int) and self.vp_rises >= 1, "vp_rises",
-                 self.vp_rises, "an integer >= 1")
-        _require(isinstance(self.vp_top_k, int) and self.vp_top_k >= 1, "vp_top_k",
-                 self.vp_top_k, "an integer >= 1")
+        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        _integer("pd_candidates", self.pd_candidates, 1, MAX_PD_CANDIDATES)
+        _integer("pd_depth", self.pd_depth, 1, MAX_PD_DEPTH)
+        _integer("vp_rises", self.vp_rises, 1)
+        _integer("vp_top_k", self.vp_top_k, 1)
         _finite("vp_decay", self.vp_decay)
         _require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
-        _require(isinstance(self.lantern_neighbours, int) and self.lantern_neighbours >= 1,
-                 "lantern_neighbours", self.lantern_neighbours, "an integer >= 1")
+        _integer("lantern_neighbours", self.lantern_neighbours, 1)
         for name in ("lantern_delta", "gsd_prob_tolerance", "gsd_embedding_tolerance"):
             _finite(name, getattr(self, name))
             _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
         _require(self.lantern_delta <= 1, "lantern_delta", self.lantern_delta, "in [0, 1]")
-        _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
-                 "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
+        _integer("gsd_rank_radius", self.gsd_rank_radius, 0)
         speculative = self.window > 1
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
             _require(not getattr(self, name) or speculative, name, getattr(self, name),
@@ -124,6 +148,18 @@ class AccelerationSettings:
                      f"<= window ({self.window}); the tree lives inside the window")
             _require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
                      ">= 2 with proactive drafting (depth counts the root)")
+            nodes = tree_nodes(self.window, self.pd_candidates, self.pd_depth)
+            _require(nodes <= MAX_TREE_NODES, "pd_depth", self.pd_depth,
+                     f"small enough that one forward feeds at most {MAX_TREE_NODES} nodes: "
+                     f"pd_candidates={self.pd_candidates}, pd_depth={self.pd_depth} and "
+                     f"window={self.window} would feed {nodes:,}; lower pd_candidates or pd_depth")
+
+    def check_codebook(self, codebook_size: int) -> None:
+        """Refuse what a model with ``codebook_size`` codes cannot draft (before any work)."""
+        if self.proactive_drafting:
+            _require(self.pd_candidates <= codebook_size, "pd_candidates", self.pd_candidates,
+                     f"at most the model's codebook size ({codebook_size}): a slot has no more "
+                     "distinct codes to try")
 
     @property
     def lossless(self) -> bool:
