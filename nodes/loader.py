@@ -107,7 +107,9 @@ class SJDModelLoader:
             adapter = load_model(path, device=device, dtype=torch_dtype,
                                  device_map="auto" if split else None)
         except (FileNotFoundError, ValueError) as error:
-            raise type(error)(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
+            # The two types themselves: subclasses (json's JSONDecodeError, ...) take other arguments.
+            kind = FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError
+            raise kind(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
         patcher = None if split else \
             comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)
         loaded = LoadedModel(adapter, patcher, model, torch_dtype)
