@@ -332,9 +332,12 @@ CASES = [
     Case("guidance NaN", sample_with(guidance=float("nan")), ValueError,
          r"guidance=nan .* a finite number", generates),
     # --------------------------------------------------------- generate()
-    Case("batch_size 10**4", generate_with(batch=10**4), ValueError,
-         r"batch_size=10000 is not allowed: .* in \[1, 64\]; draw more images in several runs",
+    Case("batch_size 10**9", generate_with(batch=10**9), ValueError,
+         r"batch_size=1000000000 is not allowed: .* it would take about [\d,.]+ GiB \(16 nodes "
+         r"and a window of 16 over 16 codes per image\), and [\d,.]+ GiB are free; draw fewer",
          generates),
+    Case("batch_size 0", generate_with(batch=0), ValueError,
+         r"batch_size=0 is not allowed: batch_size must be an integer >= 1", generates),
     Case("pd_candidates above the codebook",
          generate_with(model="five_codes", window=4, proactive_drafting=True, pd_candidates=8),
          ValueError, r"pd_candidates=8 .* at most the model's codebook size \(5\)",
@@ -349,8 +352,8 @@ CASES = [
     # --------------------------------------------------------- the sampler node
     Case("node: window 10**6", node_with(window=10**6), ValueError,
          r"SJD Sampler: mode=custom: window=1000000 is not allowed", node_samples),
-    Case("node: batch_size 10**4", node_with(batch_size=10**4), ValueError,
-         r"SJD Sampler: batch_size=10000 is not allowed: .* \[1, 64\]", node_samples),
+    Case("node: batch_size 10**9", node_with(batch_size=10**9), ValueError,
+         r"SJD Sampler: batch_size=1000000000 is not allowed: .* GiB are free", node_samples),
     Case("node: pd_candidates 10**6", node_with(pd_candidates=10**6), ValueError,
          r"SJD Sampler: mode=custom: pd_candidates=1000000 is not allowed", node_samples),
     # --------------------------------------------------------- prompts

@@ -30,7 +30,7 @@ from .drafting import NO_DRAFT, DraftTree, WindowState, add_candidates, initial_
 from .planner import Plan, make_plan
 from .sampling import RowRandom, exponential, process, sample
 from ..messages import quote
-from .settings import MAX_BATCH, AccelerationSettings, SamplingSettings
+from .settings import AccelerationSettings, SamplingSettings, check_batch
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
 
@@ -61,9 +61,9 @@ def _check_arguments(request: GenerationRequest, seed: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
         raise ValueError(f"seed={quote(seed)} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
     batch = request.batch_size
-    if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= MAX_BATCH:
-        raise ValueError(f"batch_size={quote(batch)} is not allowed: batch_size must be an integer "
-                         f"in [1, {MAX_BATCH}]; draw more images in several runs.")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch_size={quote(batch)} is not allowed: batch_size must be an "
+                         "integer >= 1.")
     for name in ("prompt", "negative_prompt"):
         if not isinstance(getattr(request, name), str):
             raise ValueError(f"{name}={quote(getattr(request, name))} is not allowed: {name} must "
@@ -225,6 +225,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     acceleration.check_codebook(model.codebook_size)
     device = torch.device(model.device)
     plan: Plan = make_plan(acceleration, model, request, sampling, device)
+    check_batch(request.batch_size, plan.max_nodes, acceleration.window, model.codebook_size,
+                sampling.guidance != 1.0, acceleration.verification_prediction, device)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
     decoder = _Decoder(model, session, sampling, acceleration, seed, device)
     while decoder.rows:

@@ -8,6 +8,7 @@ top of it. Presets name the combinations users ask for.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -27,7 +28,7 @@ MAX_WINDOW = 256
 MAX_PD_CANDIDATES = 16
 MAX_PD_DEPTH = 16
 MAX_TREE_NODES = 1024  # nodes one forward feeds: the PD tree plus the chain after it
-MAX_BATCH = 64  # images per generate call; more runs as several calls
+FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say (see memory_budget)
 
 
 def _require(condition: bool, setting: str, value: object, allowed: str) -> None:
@@ -195,3 +196,40 @@ class AccelerationSettings:
         unknown = sorted(set(overrides) - known)
         _require(not unknown, "override", unknown, f"names of AccelerationSettings fields {sorted(known)}")
         return replace(cls(**base[key]), **overrides)
+
+
+def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool,
+                   history: bool) -> int:
+    """Estimated bytes of the engine's own tensors for one iteration (float32, not the model's).
+
+    Per row: the logits of every fed node over the codebook (twice with guidance) and about four
+    tensors of that size while the target is made and verified, plus the window's draft
+    distributions (four of them with VP's history).
+    """
+    per_row = nodes * vocab * (6 if guided else 5) + window * vocab * (4 if history else 1)
+    return 4 * batch * per_row
+
+
+def memory_budget(device: object) -> int:
+    """Free bytes on ``device``: CUDA's free memory, the machine's available memory for the CPU,
+    or ``FALLBACK_MEMORY`` where neither can be read."""
+    try:
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return FALLBACK_MEMORY
+
+
+def check_batch(batch: int, nodes: int, window: int, vocab: int, guided: bool, history: bool,
+                device: object) -> None:
+    """Refuse a batch whose decoding state cannot fit in the device's free memory."""
+    need, free = decoding_bytes(batch, nodes, window, vocab, guided, history), memory_budget(device)
+    _require(need <= free, "batch_size", batch,
+             f"small enough for the decoding state to fit: it would take about {need / 2**30:,.1f} "
+             f"GiB ({nodes} nodes and a window of {window} over {vocab} codes per image), and "
+             f"{free / 2**30:,.1f} GiB are free; draw fewer images per run, or lower the window "
+             "or pd_candidates")
