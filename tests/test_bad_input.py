@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -512,3 +512,28 @@ def test_a_prompt_reduced_to_nothing_draws_unconditionally_and_says_so(bench, pr
     restored = Trace.from_json(unread.trace.to_json())
     assert restored.summary()["warnings"] == unread.trace.summary()["warnings"]
 
+
+
+@pytest.mark.parametrize("error", [
+    lambda: __import__("safetensors").SafetensorError("Error while deserializing header"),
+    lambda: __import__("huggingface_hub").errors.HFValidationError("Repo id must be in the form"),
+])
+def test_library_errors_while_building_name_the_family_and_the_checkpoint(bench, monkeypatch, error):
+    """A library's own exception raised while a family builds becomes a ValueError with the
+    family and the path; the loader works again afterwards."""
+    from sjd_core.models import registry
+
+    def failing(path, **options):
+        raise error()
+
+    families = tuple(replace(f, build=failing) if f.name == "janus" else f
+                     for f in registry.FAMILIES)
+    monkeypatch.setattr(registry, "FAMILIES", families)
+    with pytest.raises(ValueError) as raised:
+        load_model(bench.folder("janus"))
+    message = str(raised.value)
+    assert re.search(r"janus checkpoint '.*Janus-Pro-1B' could not be loaded: \w+ from "
+                     r"(safetensors|huggingface_hub)\S* \(.+\); check that every file", message)
+    assert type(raised.value.__cause__).__module__.split(".")[0] in registry.LIBRARIES
+    monkeypatch.undo()
+    loads("janus")(bench)

@@ -39,9 +39,10 @@ class Family:
 
 # Files whose contents tell the families apart; when none matches, these must at least parse.
 DESCRIPTIONS = ("config.json", reference.DESCRIPTION)
-# Libraries whose own exceptions, raised while a checkpoint loads, are reported as ValueError
-# naming the family and the checkpoint.
-LIBRARIES = ("transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate", "torch")
+# Libraries whose own exception classes, raised while a checkpoint loads, are reported as
+# ValueError naming the family and the checkpoint.
+LIBRARIES = ("transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate", "torch",
+             "json", "yaml")
 
 FAMILIES: tuple[Family, ...] = (
     Family(chameleon.LUMINA, chameleon.detect_lumina, chameleon.build_lumina,
@@ -70,11 +71,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
         if family.detect(p):
             try:
                 return family.build(p, device=device, dtype=dtype, device_map=device_map)
-            except (FileNotFoundError, ValueError):
-                raise
             except Exception as error:
                 if type(error).__module__.split(".")[0] not in LIBRARIES:
-                    raise
+                    raise  # the pack's own errors already say what to do
                 raise ValueError(f"{family.name} checkpoint {quote(str(p))} could not be loaded: "
                                  f"{type(error).__name__} from {type(error).__module__} "
                                  f"({first_line(error)}); check that every file of the "
