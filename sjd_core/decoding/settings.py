@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+import torch
+
 from ..messages import quote
 
 InitRule = Literal["uniform", "left"]
@@ -36,21 +38,14 @@ def _require(condition: bool, setting: str, value: object, allowed: str) -> None
         raise ValueError(f"{setting}={quote(value)} is not allowed: {setting} must be {allowed}.")
 
 
-def _is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _integer(setting: str, value: object, low: int, high: int | None = None,
-             meaning: str = "") -> None:
-    """Refuse anything but an integer in [low, high] (no upper bound when ``high`` is None)."""
-    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-    _require(_is_integer(value) and value >= low and (high is None or value <= high), setting,
-             value, f"an integer {bounds}{meaning}")
-
-
 def _finite(setting: str, value: float) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool)
-             and math.isfinite(value), setting, value, "a finite number (not NaN or infinity)")
+    _require(isinstance(value, (int, float)) and math.isfinite(value), setting, value,
+             "a finite number (not NaN or infinity)")
+
+
+def _no_bool(setting: str, value: object, allowed: str) -> None:
+    """``True`` and ``False`` are ints to Python; refuse them where a number is meant."""
+    _require(not isinstance(value, bool), setting, value, allowed)
 
 
 def tree_nodes(window: int, candidates: int, depth: int) -> int:
@@ -79,8 +74,10 @@ class SamplingSettings:
         _require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
         _require(self.temperature > 0, "temperature", self.temperature,
                  "> 0 (for greedy decoding set top_k=1)")
-        _integer("top_k", self.top_k, 0, meaning=" (0 = off, 1 = greedy)")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+                 "an integer >= 0 (0 = off, 1 = greedy)")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
+        _no_bool("top_k", self.top_k, "an integer >= 0 (0 = off, 1 = greedy)")
 
 
 @dataclass(frozen=True)
@@ -119,25 +116,29 @@ class AccelerationSettings:
     gsd_embedding_tolerance: float = 0.5
 
     def __post_init__(self) -> None:
-        _integer("window", self.window, 1, MAX_WINDOW, " (1 = plain autoregression)")
+        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
+                 "an integer >= 1 (1 = plain autoregression)")
         _require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
         _require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
                  f"one of {RELAXED_RULES}")
-        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
-            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
-                     "True or False")
-        _integer("pd_candidates", self.pd_candidates, 1, MAX_PD_CANDIDATES)
-        _integer("pd_depth", self.pd_depth, 1, MAX_PD_DEPTH)
-        _integer("vp_rises", self.vp_rises, 1)
-        _integer("vp_top_k", self.vp_top_k, 1)
+        _require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
+                 "pd_candidates", self.pd_candidates, "an integer >= 1")
+        _require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
+                 self.pd_depth, "an integer >= 1")
+        _require(isinstance(self.vp_rises, int) and self.vp_rises >= 1, "vp_rises",
+                 self.vp_rises, "an integer >= 1")
+        _require(isinstance(self.vp_top_k, int) and self.vp_top_k >= 1, "vp_top_k",
+                 self.vp_top_k, "an integer >= 1")
         _finite("vp_decay", self.vp_decay)
         _require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
-        _integer("lantern_neighbours", self.lantern_neighbours, 1)
+        _require(isinstance(self.lantern_neighbours, int) and self.lantern_neighbours >= 1,
+                 "lantern_neighbours", self.lantern_neighbours, "an integer >= 1")
         for name in ("lantern_delta", "gsd_prob_tolerance", "gsd_embedding_tolerance"):
             _finite(name, getattr(self, name))
             _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
         _require(self.lantern_delta <= 1, "lantern_delta", self.lantern_delta, "in [0, 1]")
-        _integer("gsd_rank_radius", self.gsd_rank_radius, 0)
+        _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
+                 "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
         speculative = self.window > 1
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
             _require(not getattr(self, name) or speculative, name, getattr(self, name),
@@ -149,6 +150,23 @@ class AccelerationSettings:
                      f"<= window ({self.window}); the tree lives inside the window")
             _require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
                      ">= 2 with proactive drafting (depth counts the root)")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        """The upper limits (``MAX_*``), and switches and counts of the right Python type."""
+        _no_bool("window", self.window, "an integer >= 1 (1 = plain autoregression)")
+        _require(self.window <= MAX_WINDOW, "window", self.window,
+                 f"an integer in [1, {MAX_WINDOW}] (1 = plain autoregression)")
+        for name, high in (("pd_candidates", MAX_PD_CANDIDATES), ("pd_depth", MAX_PD_DEPTH)):
+            value = getattr(self, name)
+            _no_bool(name, value, "an integer >= 1")
+            _require(value <= high, name, value, f"an integer in [1, {high}]")
+        for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
+            _no_bool(name, getattr(self, name), "an integer")
+        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        if self.proactive_drafting:
             nodes = tree_nodes(self.window, self.pd_candidates, self.pd_depth)
             _require(nodes <= MAX_TREE_NODES, "pd_depth", self.pd_depth,
                      f"small enough that one forward feeds at most {MAX_TREE_NODES} nodes: "
@@ -214,8 +232,6 @@ def memory_budget(device: object) -> int:
     """Free bytes on ``device``: CUDA's free memory, the machine's available memory for the CPU,
     or ``FALLBACK_MEMORY`` where neither can be read."""
     try:
-        import torch
-
         device = torch.device(device)
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0])
