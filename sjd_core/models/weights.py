@@ -38,7 +38,7 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r} is not allowed: use a floating torch dtype such as "
+        raise ValueError(f"dtype={quote(dtype)} is not allowed: use a floating torch dtype such as "
                          "torch.bfloat16, torch.float16 or torch.float32.")
     return dev, dtype
 
@@ -145,7 +145,7 @@ def _resolve_device_map(model: nn.Module, device_map: DeviceMap, dtype: torch.dt
         return _without_nesting(model, device_map)
     allowed = ("auto", "balanced", "balanced_low_0", "sequential")
     if device_map not in allowed:
-        raise ValueError(f"device_map={device_map!r} is not allowed: use one of {allowed} or a dict "
+        raise ValueError(f"device_map={quote(device_map)} is not allowed: use one of {allowed} or a dict "
                          "of module name -> device ('cuda:0', 'cpu', 'disk').")
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     max_memory = None

@@ -99,7 +99,7 @@ class ReferenceModel:
     def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
         """(16, 16) for 32x32 pixels (or None); anything else is a ValueError."""
         if resolution is not None and tuple(resolution) != self.pixels:
-            raise ValueError(f"resolution={resolution!r} is not allowed: the reference model draws "
+            raise ValueError(f"resolution={quote(resolution)} is not allowed: the reference model draws "
                              f"only {self.pixels[0]}x{self.pixels[1]} pixels (width, height).")
         return self.grid
 
@@ -119,7 +119,7 @@ class ReferenceModel:
         self.grid_for(request.resolution)
         batch = request.batch_size
         if not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch_size={batch!r} is not allowed: it must be an integer >= 1.")
+            raise ValueError(f"batch_size={quote(batch)} is not allowed: it must be an integer >= 1.")
         prompts = request.extra.get("prompts", [request.prompt] * batch)
         if not isinstance(prompts, (list, tuple)) or len(prompts) != batch:
             raise ValueError(f"extra['prompts']={quote(prompts)} is not allowed: it must be a list of "
