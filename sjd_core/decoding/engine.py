@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..messages import quote
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from .drafting import NO_DRAFT, DraftTree, WindowState, add_candidates, initial_drafts, redraft, \
     shift_window
 from .planner import Plan, make_plan
 from .sampling import RowRandom, exponential, process, sample
-from ..messages import quote
 from .settings import AccelerationSettings, SamplingSettings, check_batch
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
@@ -219,7 +219,9 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
-    propagates; the model itself is left usable). Runs without autograd.
+    propagates; the model itself is left usable). Runs without autograd. Before the prefill it
+    refuses (ValueError) a bad seed, batch size or prompt type, more PD candidates than the
+    codebook has codes, and a batch whose decoding state would not fit in the device's memory.
     """
     _check_arguments(request, seed)
     acceleration.check_codebook(model.codebook_size)
