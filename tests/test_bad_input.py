@@ -376,7 +376,9 @@ CASES = [
          r"extra\['prompts'\]=\[1, 2\] is not allowed: it must be a list of 2 strings",
          starts("lumina", prompt="", batch_size=2, extra={"prompts": ["a", "b"]})),
     Case("janus: 100,000-character prompt", start("janus", prompt=LONG), ValueError,
-         r"prompt is [\d,]+ tokens long with Janus-Pro's prompt template; at most 1,024 fit",
+         r"prompt is [\d,]+ tokens long with Janus-Pro's prompt template; at most 1,024 fit "
+         r"\(Janus-Pro's context is 256 positions and the image takes 16 at this resolution; a "
+         r"prompt may always have 1,024\): shorten the prompt",
          starts("janus", prompt="a red fox")),
     Case("llamagen: class index of 5,000 digits", start("llamagen", prompt="9" * 5000), ValueError,
          r"class index '9{100,200}\.\.\. \(5,000 characters\) is out of range: .* classes 0\.\.9",
@@ -458,7 +460,8 @@ CASES = [
          r"trace_version=1 is not supported: this pack reads trace version 2; run the sampler",
          trace_reads),
     Case("trace: unknown commit kind", edited_trace(set_first_value("commit_kind", 9)), ValueError,
-         r"commit_kind holds values in \[\d, 9\], outside \[0, 5\]", trace_reads),
+         r"commit_kind holds values in \[\d, 9\], outside \[0, 5\]: the trace was edited or is "
+         r"damaged; run the sampler again", trace_reads),
     Case("trace: slots committed twice",
          edited_trace(set_first_value("committed_per_iteration", 99)), ValueError,
          r"committed_per_iteration sums to \[\d+\] slots per image, not 16", trace_reads),

@@ -309,13 +309,15 @@ class Trace:
         for name, values, low, high in checks:
             if values.size and (values.min() < low or values.max() > high):
                 raise ValueError(f"trace: {name} holds values in [{values.min()}, "
-                                 f"{values.max()}], outside [{low}, {high}].")
+                                 f"{values.max()}], outside [{low}, {high}]: the trace was edited "
+                                 "or is damaged; run the sampler again for a new trace.")
         probability = self.acceptance_probability[~np.isnan(self.acceptance_probability)]
         seconds = np.concatenate([self.forward_seconds, self.other_seconds])
         if ((probability < 0) | (probability > 1)).any() or not np.isfinite(seconds).all() \
                 or (seconds < 0).any():
             raise ValueError("trace: acceptance probabilities must lie in [0, 1] and seconds must "
-                             "be finite and >= 0.")
+                             "be finite and >= 0: the trace was edited or is damaged; run the "
+                             "sampler again for a new trace.")
 
 
 _FLOAT_ARRAYS = {"forward_seconds": np.float64, "other_seconds": np.float64,

@@ -135,10 +135,11 @@ def check_prompt_length(family: str, input_name: str, tokens: int, image_tokens:
     """
     room = max(context - image_tokens, MIN_PROMPT_ROOM)
     if tokens > room:
+        floor = f"; a prompt may always have {MIN_PROMPT_ROOM:,}" if room > context - image_tokens else ""
         raise ValueError(f"{input_name} is {tokens:,} tokens long with {family}'s prompt template; "
-                         f"at most {room:,} fit ({family} reads {max(context, room + image_tokens):,} "
-                         f"positions and the image takes {image_tokens:,} at this resolution): "
-                         f"shorten the {input_name.split('[')[0]}.")
+                         f"at most {room:,} fit ({family}'s context is {context:,} positions and the "
+                         f"image takes {image_tokens:,} at this resolution{floor}): shorten the "
+                         f"{input_name.split('[')[0]}.")
 
 
 def check_codes(family: str, codes: torch.Tensor, codebook_size: int) -> None:
