@@ -83,16 +83,22 @@ class SJDDiagnostics:
 
 def _check_image(image: torch.Tensor, batch: int, height: int, width: int,
                  trace: SamplerTrace) -> None:
-    """The image must be the run's own decoded batch: same count, same grid aspect."""
+    """The image must be the run's own decoded batch: the same count, and a pixel size that is
+    a whole number of pixels per code, the same across and down (the decoder's own scale, or a
+    whole-number enlargement of it)."""
     if image.ndim != 4 or image.shape[-1] not in (3, 4):
         raise ValueError(f"{NODE}: image of shape {tuple(image.shape)} is not an IMAGE batch "
                          "(batch, height, width, channels).")
     count, pixel_h, pixel_w = image.shape[:3]
-    if count != batch or pixel_h * width != pixel_w * height:
+    fits = pixel_h % height == 0 and pixel_w % width == 0 and pixel_h // height == pixel_w // width
+    if count != batch or not fits:
+        run_w, run_h = trace.run.resolution
         raise ValueError(
             f"{NODE}: image ({count} image(s) of {pixel_w}x{pixel_h} px) does not belong to this "
-            f"trace ({batch} image(s) of {width}x{height} codes, {trace.run.describe()}). Connect "
-            "the IMAGE that SJD Decode made from the codes of the same SJD Sampler.")
+            f"trace ({batch} image(s) of {width}x{height} codes, drawn at {run_w}x{run_h} px: "
+            f"{trace.run.describe()}); its pixel size must be the same whole number of pixels "
+            "per code across and down. Connect the IMAGE that SJD Decode made from the codes of "
+            "the same SJD Sampler.")
 
 
 def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float) -> np.ndarray:

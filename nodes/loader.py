@@ -90,7 +90,9 @@ class SJDModelLoader:
                                  device_map="auto" if split else None,
                                  weights=weights if quantized else None)
         except (FileNotFoundError, ValueError, ImportError) as error:
-            raise type(error)(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
+            # The types themselves: subclasses (json's JSONDecodeError, ...) take other arguments.
+            kind = next(k for k in (FileNotFoundError, ImportError, ValueError) if isinstance(error, k))
+            raise kind(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
         # quantised tensors are not moved between devices by ComfyUI: they stay where loaded
         patcher = None if split or quantized else \
             comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)

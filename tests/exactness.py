@@ -1,63 +1,134 @@
-"""Exact joint distributions of a tiny synthetic model and a goodness-of-fit test against them.
+"""Exact joint distributions of a tiny synthetic model, an independent tree verifier, and a
+goodness-of-fit test.
 
-The distribution test of ALGORITHMS.md: a vocabulary of a few codes and a few slots, so that the
-joint distribution of a whole image can be enumerated from the model's own one-slot-at-a-time
-conditionals, then compared with many samples from the engine.
+The target distribution is written here from the rule in float64, without the engine's
+``sampling.process``, so that a mistake in ``process`` (the guidance formula, the order of the
+steps, ties at the k-th value, the top-p boundary) changes the enumerated joint and is caught:
+
+1. classifier-free guidance on raw logits, ``l = l_u + s * (l_c - l_u)`` (no unconditional
+   logits: ``l = l_c``);
+2. division by the temperature;
+3. top-k: every code whose value is at least the k-th largest value is kept, so codes tied with
+   the k-th value are all kept (``top_k = 0`` or ``>= V``: all);
+4. top-p on the softmax of what top-k kept: codes in order of probability (ties: lower code
+   first) are kept while the mass of the codes before them is below ``top_p``, i.e. the smallest
+   set of most likely codes whose mass reaches ``top_p`` (``top_p = 1``: all);
+5. softmax over the kept codes.
+
+The joint of a whole image is the product of these targets slot by slot, each given the codes
+before it, from the model's own raw logits: the distribution plain autoregression samples and
+every lossless mode must reproduce.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
+import numpy as np
 import torch
 
+from sjd_core.decoding import verify
+from sjd_core.decoding.drafting import DraftTree
 from sjd_core.decoding.engine import generate
+from sjd_core.decoding.sampling import normalise, residual, sample
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
-from sjd_core.decoding.sampling import process
-from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 PROMPT = "a red fox"
 NEGATIVE = "blur"
 
 
+def target_distribution(cond: np.ndarray, uncond: np.ndarray | None, guidance: float,
+                        temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The target of each row of raw logits (..., V), in float64, by the rule in the docstring."""
+    cond = np.asarray(cond, dtype=np.float64)
+    if uncond is None:
+        logits = cond
+    else:
+        uncond = np.asarray(uncond, dtype=np.float64)
+        logits = uncond + guidance * (cond - uncond)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    kept = np.ones(logits.shape, dtype=bool)
+    if 0 < top_k < vocab:
+        kth = -np.sort(-logits, axis=-1)[..., top_k - 1:top_k]  # the k-th largest value
+        kept = logits >= kth
+    top = np.where(kept, logits, -np.inf).max(axis=-1, keepdims=True)
+    weights = np.where(kept, np.exp(logits - top), 0.0)
+    probs = weights / weights.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")  # most likely first; ties: lower code
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        mass_before = np.cumsum(ranked, axis=-1) - ranked
+        nucleus = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(nucleus, order, (mass_before < top_p) & (ranked > 0), axis=-1)
+        probs = np.where(nucleus, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
 def tiny_model() -> SyntheticModel:
-    """5 codes on a 2 x 3 grid, peaked enough that conditionals differ strongly by context."""
+    """5 codes on a 2 x 3 grid: conditionals differ by context, and with the sampling below about
+    180 images are likely enough to be expected at least 5 times in 20,000 samples."""
     return SyntheticModel(codebook_size=5, grid=(2, 3), width=16, layers=1, heads=2,
-                          sharpness=3.0, seed=3)
+                          sharpness=1.5, seed=3)
 
 
 def tiny_sampling() -> SamplingSettings:
-    """Guidance, temperature and top-k all active, so each step of ``process`` is exercised."""
-    return SamplingSettings(guidance=2.0, temperature=0.8, top_k=4)
+    """Guidance, temperature, top-k and top-p all active, so every step of the rule matters."""
+    return SamplingSettings(guidance=2.0, temperature=0.8, top_k=4, top_p=0.9)
 
 
-def enumerate_joint(model: SyntheticModel, sampling: SamplingSettings) -> torch.Tensor:
-    """Probability of every image (flattened base-V index), one slot per forward pass."""
-    vocab = model.codebook_size
+def all_images(model: SyntheticModel) -> torch.Tensor:
+    """Every code grid of the model, flattened, in base-V order (row i is image i)."""
     height, width = model.grid
-    slots = height * width
-    images = torch.tensor(list(itertools.product(range(vocab), repeat=slots)))
+    return torch.tensor(list(itertools.product(range(model.codebook_size),
+                                               repeat=height * width)))
+
+
+def conditional_logits(model: SyntheticModel, sampling: SamplingSettings
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw (cond, uncond) logits of every slot of every image given the codes before it,
+    (images, slots, V), fed one slot per forward pass as plain autoregression feeds them."""
+    images = all_images(model)
     session = model.start(GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE,
                                             batch_size=len(images), guidance=sampling.guidance,
                                             max_nodes=1))
     chain = torch.ones(1, 1, dtype=torch.bool)
     keep = torch.ones(len(images), 1, dtype=torch.bool)
-    probability = torch.ones(len(images))
     previous = torch.zeros(len(images), 1, dtype=torch.long)
-    for slot in range(slots):
+    conds, unconds = [], []
+    for slot in range(images.shape[1]):
         cond, uncond = session.forward(previous, torch.full_like(previous, slot - 1), chain,
                                        [slot] * len(images))
         session.keep(keep)
-        p = process(cond, uncond, sampling)[:, 0]
-        probability *= p.gather(1, images[:, slot:slot + 1]).squeeze(1)
+        conds.append(cond[:, 0])
+        unconds.append(None if uncond is None else uncond[:, 0])
         previous = images[:, slot:slot + 1]
-    return probability
+    return torch.stack(conds, 1), (None if unconds[0] is None else torch.stack(unconds, 1))
+
+
+def joint_from_logits(cond: torch.Tensor, uncond: torch.Tensor | None,
+                      sampling: SamplingSettings) -> torch.Tensor:
+    """Probability of every image from its slots' raw logits (see :func:`conditional_logits`)."""
+    targets = target_distribution(cond.numpy(), None if uncond is None else uncond.numpy(),
+                                  sampling.guidance, sampling.temperature, sampling.top_k,
+                                  sampling.top_p)
+    images = np.array(list(itertools.product(range(cond.shape[-1]), repeat=cond.shape[1])))
+    picked = np.take_along_axis(targets, images[..., None], axis=-1)[..., 0]
+    return torch.from_numpy(picked.prod(axis=1))
+
+
+def enumerate_joint(model: SyntheticModel, sampling: SamplingSettings) -> torch.Tensor:
+    """Probability of every image (flattened base-V index), float64, from :func:`target_distribution`."""
+    return joint_from_logits(*conditional_logits(model, sampling), sampling)
 
 
 def sample_images(model: SyntheticModel, sampling: SamplingSettings,
                   acceleration: AccelerationSettings, count: int, seed: int) -> torch.Tensor:
-    """Flattened base-V index of ``count`` images generated by the engine."""
+    """Flattened base-V index of ``count`` images generated by the engine in one batch."""
     result = generate(model, GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE,
                                                batch_size=count), sampling, acceleration, seed)
     flat = result.codes.flatten(1)
@@ -84,3 +155,58 @@ def goodness_of_fit(samples: torch.Tensor, probability: torch.Tensor,
     dof = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
                                          statistic / 2.0))
+
+
+def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
+                     node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
+                     final_uniform: torch.Tensor, rule=None, take: str = "first") -> verify.Verdict:
+    """Recursive rejection sampling on the draft tree, written node by node (for tests only).
+
+    At every node its children (the candidates of the next slot) are tested in order against
+    the node's target ``p`` and the slot's draft distribution ``q``; after a rejection
+    ``p <- norm(max(0, p - q))`` and ``q <- q`` without the candidate. ``take="first"`` takes the
+    first accepted child (the exact rule). ``take="last"`` keeps testing after an acceptance and
+    takes the last accepted child, a broken variant for the power tests. The path follows the
+    taken children from the root; the slot after it is drawn from what the recursion left at
+    its end (the target itself when nothing was tested there). Only ``path``, ``accepted`` and
+    ``tokens`` of the verdict carry meaning.
+    """
+    batch, size, _ = p.shape
+    rows = torch.arange(batch)
+    taken = torch.full((batch, size), -1, dtype=torch.long)
+    leftover = p.clone()  # what the slot after each node is drawn from if the path ends there
+    for node in range(size):
+        slot = min(int(tree.depth[node]), q_slots.shape[1] - 1)
+        p_k, q_k = p[:, node], q_slots[:, slot]
+        searching = torch.ones(batch, dtype=torch.bool)
+        tested = torch.zeros(batch, dtype=torch.bool)
+        for rank, child in enumerate(tree.children[node].tolist()):
+            if child < 0:
+                continue
+            x = node_tokens[:, child]
+            live = node_valid[:, child]
+            if take == "first":
+                live = live & searching
+            p_x, q_x = p_k[rows, x], q_k[rows, x]
+            accept = live & (uniforms[:, node, rank] * q_x <= p_x)
+            taken[:, node] = torch.where(accept, child, taken[:, node])
+            searching &= ~accept
+            rejected = (live & ~accept)[:, None]
+            q_rest = normalise(q_k.scatter(-1, x[:, None], 0.0), q_k)
+            p_k, q_k = (torch.where(rejected, residual(p_k, q_k), p_k),
+                        torch.where(rejected, q_rest, q_k))
+            tested |= live
+        leftover[:, node] = torch.where(tested[:, None], p_k, p[:, node])
+    node = torch.zeros(batch, dtype=torch.long)
+    for _ in range(tree.window - 1):
+        node = torch.where(taken[rows, node] >= 0, taken[rows, node], node)
+    accepted = tree.depth[node]
+    path = tree.route[node]
+    final = sample(leftover[rows, node], final_uniform)
+    offsets = torch.arange(tree.window)
+    following = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
+    tokens = torch.where(offsets == accepted[:, None], final[:, None],
+                         node_tokens.gather(1, following))
+    kinds = torch.where(offsets < accepted[:, None], verify.ACCEPTED, verify.RESIDUAL)
+    return verify.Verdict(path, accepted, tokens, kinds,
+                          torch.full(tokens.shape, math.nan))

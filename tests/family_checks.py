@@ -148,16 +148,41 @@ LOSSLESS_MODES = {
 }
 
 
-def check_greedy_modes_agree(model, request: GenerationRequest, guidance: float) -> dict[str, int]:
-    """Greedy (top-k 1) codes are identical in AR and every lossless mode; returns forwards per mode."""
+class _Enough(Exception):
+    """Stops a run once the compared slots are committed."""
+
+
+def greedy_codes(model, request: GenerationRequest, sampling: SamplingSettings,
+                 acceleration: AccelerationSettings, slots: int | None = None
+                 ) -> tuple[torch.Tensor, int]:
+    """(B, slots) codes of the first ``slots`` slots of every image (all when None) and the
+    iterations it took to commit them."""
+    seen = {}
+
+    def stop(report):
+        seen["iterations"] = report.iteration
+        if slots is not None and min(report.committed) >= slots:
+            seen["codes"] = report.codes[:, :slots].cpu().clone()
+            raise _Enough
+
+    try:
+        result = generate(model, request, sampling, acceleration, seed=0, on_iteration=stop)
+    except _Enough:
+        return seen["codes"], seen["iterations"]
+    return result.codes.flatten(1)[:, :slots], seen["iterations"]
+
+
+def check_greedy_modes_agree(model, request: GenerationRequest, guidance: float,
+                             slots: int | None = None) -> dict[str, int]:
+    """Greedy (top-k 1) codes are identical in AR and every lossless mode, on the first ``slots``
+    slots of each image (all when None); returns the iterations each mode needed for them."""
     sampling = SamplingSettings(guidance=guidance, top_k=1)
-    ar = generate(model, request, sampling, AccelerationSettings(window=1), seed=0)
-    forwards = {"ar": ar.trace.summary()["nfe"]}
+    ar, forwards = greedy_codes(model, request, sampling, AccelerationSettings(window=1), slots)
+    iterations = {"ar": forwards}
     for name, acceleration in LOSSLESS_MODES.items():
-        result = generate(model, request, sampling, acceleration, seed=0)
-        assert torch.equal(result.codes, ar.codes), f"{name} codes differ from AR"
-        forwards[name] = result.trace.summary()["nfe"]
-    return forwards
+        codes, iterations[name] = greedy_codes(model, request, sampling, acceleration, slots)
+        assert torch.equal(codes, ar), f"{name} codes differ from AR"
+    return iterations
 
 
 def check_relaxed_modes_run(model, request: GenerationRequest, guidance: float) -> None:

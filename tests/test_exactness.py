@@ -1,36 +1,68 @@
-"""The distribution test and its power check (ALGORITHMS.md, "Exactness tests").
+"""The target distribution, the distribution test and its power check (exactness tests).
 
-Every lossless mode must draw images from exactly the joint distribution that one-slot-at-a-time
-sampling of the model's processed conditionals defines (CFG, temperature and top-k active). The
-same test must reject deliberately broken variants of the engine, or it proves nothing.
+``process`` is tested directly against an independent float64 reference written from the rule
+(``exactness.target_distribution``): guidance, temperature, top-k with ties, the top-p boundary.
+The same reference enumerates the exact joint distribution of a tiny model's images, and every
+lossless mode in ``MODES`` must sample it (guidance, temperature, top-k and top-p active; trees
+with K = 2, 3 and 4). The test must also reject deliberately broken variants of the engine, each
+injected by replacing one of its seams, or it proves nothing.
+
+Run with ``-s`` to see the p-values.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import pytest
 import torch
 
-from exactness import enumerate_joint, goodness_of_fit, sample_images, tiny_model, tiny_sampling
+from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
+                       loop_verify_tree, sample_images, target_distribution, tiny_model,
+                       tiny_sampling)
 from sjd_core.decoding import drafting, engine, verify
-from sjd_core.decoding.sampling import residual, sample
-from sjd_core.decoding.settings import AccelerationSettings
+from sjd_core.decoding.drafting import DraftTree, WindowState, add_candidates
+from sjd_core.decoding.sampling import process, residual, sample
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
-SAMPLES = 6000
-POWER_SAMPLES = 16000
+SAMPLES = 20_000  # images per lossless mode, all in one generate call
+POWER_SAMPLES = 20_000
 PASS_P = 1e-3  # a lossless mode passes when the chi-square p-value is above this
 REJECT_P = 1e-6  # a broken variant must be rejected with a p-value below this
 
-TREE = dict(window=4, pd_candidates=2, pd_depth=3)
+
+@dataclass(frozen=True)
+class Mode:
+    """One lossless configuration of the distribution test, with its own random seed."""
+
+    settings: dict
+    seed: int
+
+
+VP = dict(verification_prediction=True, vp_rises=1, vp_top_k=4)
+PD = dict(proactive_drafting=True)
+# Add a mode here and it is distribution-tested; window >= depth for every tree.
 MODES = {
-    "ar": dict(window=1),
-    "sjd": dict(window=4),
-    "sjd+ac": dict(window=4, adaptive_continuation=True),
-    "sjd+pd": dict(TREE, proactive_drafting=True),
-    "sjd+ac+pd": dict(TREE, proactive_drafting=True, adaptive_continuation=True),
-    "sjd+vp": dict(window=4, verification_prediction=True, vp_rises=1, vp_top_k=4),
-    "sjd+ac+pd+vp": dict(TREE, proactive_drafting=True, adaptive_continuation=True,
-                         verification_prediction=True, vp_rises=1, vp_top_k=4),
+    "ar": Mode(dict(window=1), seed=101),
+    "sjd": Mode(dict(window=4), seed=102),
+    "sjd, left init": Mode(dict(window=4, init="left"), seed=103),
+    "sjd+ac": Mode(dict(window=4, adaptive_continuation=True), seed=104),
+    "sjd+pd K2 D3": Mode(dict(PD, window=4, pd_candidates=2, pd_depth=3), seed=105),
+    "sjd+pd K3 D4": Mode(dict(PD, window=5, pd_candidates=3, pd_depth=4), seed=106),
+    "sjd+pd K4 D3": Mode(dict(PD, window=4, pd_candidates=4, pd_depth=3), seed=107),
+    "sjd+ac+pd K4 D3, left init": Mode(dict(PD, window=6, pd_candidates=4, pd_depth=3,
+                                            adaptive_continuation=True, init="left"), seed=108),
+    "sjd+vp": Mode(dict(VP, window=4), seed=109),
+    "sjd+ac+pd+vp K4 D3": Mode(dict(PD | VP, window=6, pd_candidates=4, pd_depth=3,
+                                    adaptive_continuation=True), seed=110),
+    "sjd+ac+pd+vp K3 D3, left init": Mode(dict(PD | VP, window=5, pd_candidates=3, pd_depth=3,
+                                               adaptive_continuation=True, init="left"), seed=111),
 }
+
+
+def settings_of(mode: str) -> AccelerationSettings:
+    return AccelerationSettings(**MODES[mode].settings)
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +75,174 @@ def joint(model):
     return enumerate_joint(model, tiny_sampling())
 
 
-def test_enumeration_is_a_distribution_with_spread(joint):
-    assert abs(float(joint.sum()) - 1.0) < 1e-5
-    assert int((joint > 1e-4).sum()) >= 30  # many images are possible...
-    assert float(joint.max()) < 0.5  # ...and none dominates
+SEED_SPACING = 1_000_000  # row b of a run uses seed + b: runs this far apart share no stream
+POWER, CONTROL = 300_000, 600_000  # offsets of the power tests' and the controls' runs
 
 
-# plain autoregression has no drafts, so it runs once, without an init rule
-RUNS = [(mode, init) for mode in MODES for init in ("uniform", "left")
-        if not (mode == "ar" and init == "left")]
+def p_value(model, joint, mode: str, samples: int = SAMPLES, seed_offset: int = 0) -> float:
+    draws = sample_images(model, tiny_sampling(), settings_of(mode), samples,
+                          seed=MODES[mode].seed * SEED_SPACING + seed_offset)
+    return goodness_of_fit(draws, joint)
 
 
-@pytest.mark.parametrize("mode,init", RUNS)
-def test_lossless_modes_sample_the_model_distribution(model, joint, mode, init):
-    settings = AccelerationSettings(init=init, **MODES[mode])
-    samples = sample_images(model, tiny_sampling(), settings, SAMPLES, seed=11)
-    assert goodness_of_fit(samples, joint) > PASS_P
+# ------------------------------------------------------------------ process against the rule
+def _reference(cond, uncond, settings: SamplingSettings) -> np.ndarray:
+    return target_distribution(cond.numpy(), None if uncond is None else uncond.numpy(),
+                               settings.guidance, settings.temperature, settings.top_k,
+                               settings.top_p)
 
 
-def _p_value(model, joint, settings: AccelerationSettings, samples: int = SAMPLES) -> float:
-    return goodness_of_fit(sample_images(model, tiny_sampling(), settings, samples, seed=11),
-                           joint)
+@pytest.mark.parametrize("guidance", [1.0, 0.0, 0.5, 3.0])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (1, 1.0), (3, 1.0), (12, 1.0), (0, 0.9),
+                                         (0, 0.5), (5, 0.8), (3, 0.05)])
+def test_process_equals_the_independent_reference(guidance, temperature, top_k, top_p):
+    generator = torch.Generator().manual_seed(7)
+    cond = torch.randn(40, 12, generator=generator) * 3
+    uncond = None if guidance == 1.0 else torch.randn(40, 12, generator=generator) * 3
+    settings = SamplingSettings(guidance=guidance, temperature=temperature, top_k=top_k,
+                                top_p=top_p)
+    got = process(cond, uncond, settings).double().numpy()
+    want = _reference(cond, uncond, settings)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    # the same codes survive the filters (process also zeroes masses below 1e-30)
+    assert (got[want == 0] == 0).all() and (got[want > 1e-25] > 0).all()
 
 
-def test_power_verifying_vp_drafts_against_p_instead_of_q_prime_is_rejected(model, joint,
-                                                                             monkeypatch):
+def test_reference_by_hand():
+    """The reference itself, on values worked out on paper."""
+    cond, uncond = np.array([1.0, 1.2, 0.0]), np.array([0.0, 1.2, 0.0])
+    # guidance 3: l = l_u + 3 (l_c - l_u) = [3, 1.2, 0]; temperature 0.5: [6, 2.4, 0]
+    weights = np.exp([6.0, 2.4, 0.0])
+    np.testing.assert_allclose(target_distribution(cond, uncond, 3.0, 0.5, 0, 1.0),
+                               weights / weights.sum())
+    # top-1 after guidance keeps code 0, although the conditional logits alone prefer code 1
+    np.testing.assert_array_equal(target_distribution(cond, uncond, 3.0, 1.0, 1, 1.0), [1, 0, 0])
+    np.testing.assert_array_equal(target_distribution(cond, None, 1.0, 1.0, 1, 1.0), [0, 1, 0])
+
+
+def test_guidance_combines_raw_logits_in_the_stated_order():
+    cond, uncond = torch.tensor([[1.0, 1.2, 0.0]]), torch.tensor([[0.0, 1.2, 0.0]])
+    exact = np.exp([6.0, 2.4, 0.0]) / np.exp([6.0, 2.4, 0.0]).sum()
+    got = process(cond, uncond, SamplingSettings(guidance=3.0, temperature=0.5))
+    np.testing.assert_allclose(got[0].double().numpy(), exact, rtol=1e-5)
+    # top-k is applied after guidance: the guided top-1 is code 0, the conditional's is code 1
+    top1 = process(cond, uncond, SamplingSettings(guidance=3.0, top_k=1))
+    assert top1[0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_k_keeps_every_code_tied_with_the_kth_value():
+    """The rule for ties: a code whose value equals the k-th largest is kept, so top_k=2 on
+    [3, 1, 1, 1, 0] keeps four codes, and the three tied ones share the rest equally."""
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    settings = SamplingSettings(top_k=2)
+    got = process(logits, None, settings)[0]
+    want = _reference(logits, None, settings)[0]
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-6)
+    assert (got > 0).tolist() == [True, True, True, True, False]
+    assert got[1] == got[2] == got[3]
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
+    """Probabilities [0.5, 0.3, 0.15, 0.05] (temperature 1): a code is kept while the mass of the
+    codes before it is below top_p, so the boundary code that crosses top_p is kept."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for top_p, kept in ((0.4, 1), (0.5 + 1e-4, 2), (0.8 - 1e-4, 2), (0.8 + 1e-4, 3),
+                        (0.95 + 1e-4, 4), (1.0, 4)):
+        settings = SamplingSettings(top_p=top_p)
+        got = process(logits, None, settings)[0]
+        want = _reference(logits, None, settings)[0]
+        assert int((got > 0).sum()) == int((want > 0).sum()) == kept, top_p
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5)
+
+
+def test_top_p_reads_the_tempered_distribution():
+    """Temperature comes before top-p: at 0.5 the top code alone holds 0.87 of the mass, so
+    top_p = 0.85 keeps it alone (untempered it holds 0.67 and would need a second code)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    got = process(logits, None, SamplingSettings(temperature=0.5, top_p=0.85))[0]
+    assert got.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_p_reads_what_top_k_kept():
+    """top-p measures mass after top-k renormalised: top_k=2 on [0.4, 0.35, 0.25] leaves
+    [0.53, 0.47], so top_p = 0.5 keeps one code (on the unfiltered distribution it would keep
+    two)."""
+    logits = torch.log(torch.tensor([[0.4, 0.35, 0.25]]))
+    got = process(logits, None, SamplingSettings(top_k=2, top_p=0.5))[0]
+    assert (got > 0).tolist() == [True, False, False]
+
+
+# ------------------------------------------------------------------ the distribution test
+def test_enumeration_is_a_distribution_with_spread_and_every_filter_matters(model, joint):
+    assert abs(float(joint.sum()) - 1.0) < 1e-9
+    assert int((joint * SAMPLES >= 5).sum()) >= 150  # many images are likely...
+    assert float(joint.max()) < 0.2  # ...and none dominates
+    sampling = tiny_sampling()
+    cond, uncond = conditional_logits(model, sampling)
+    assert torch.equal(joint_from_logits(cond, uncond, sampling), joint)
+    for change in (dict(top_p=1.0), dict(top_k=0), dict(guidance=1.0), dict(temperature=1.0)):
+        other = SamplingSettings(**{**sampling.__dict__, **change})
+        changed = joint_from_logits(cond, None if other.guidance == 1.0 else uncond, other)
+        assert float((changed - joint).abs().sum()) > 0.1, change
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
+    value = p_value(model, joint, mode)
+    print(f"\ndistribution test, {mode}: p = {value:.3g} ({SAMPLES} samples)")
+    assert value > PASS_P
+
+
+def test_seeds_differ_per_mode():
+    assert len({mode.seed for mode in MODES.values()}) == len(MODES)
+
+
+# ------------------------------------------------------------------ the tree verifier, by loops
+def _verification_inputs(settings: AccelerationSettings, seed: int, batch: int = 256):
+    """Random targets and draft distributions (with zeros), drafts made by the engine's own
+    drafting (candidates without replacement), and uniforms."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 6
+    tree = DraftTree.for_settings(settings, torch.device("cpu"))
+
+    def distributions(*shape):
+        logits = torch.randn(*shape, vocab, generator=g) * 2
+        return torch.softmax(logits.masked_fill(torch.rand(*shape, vocab, generator=g) < 0.3,
+                                                float("-inf")), -1).nan_to_num(1.0 / vocab)
+
+    q = distributions(batch, settings.window)
+    tokens = sample(q, 1 - torch.rand(batch, settings.window, generator=g))
+    state = WindowState(tokens, q, torch.zeros(batch, settings.window, dtype=torch.int8))
+    noise = -torch.log(1 - torch.rand(batch, max(tree.tree_levels, 1), vocab, generator=g))
+    node_tokens, node_valid, _ = add_candidates(state, tree, noise if tree.tree_levels else None)
+    node_tokens[:, 0] = 0
+    p = distributions(batch, tree.size)
+    uniforms = 1 - torch.rand(batch, tree.size, tree.branching, generator=g)
+    final = 1 - torch.rand(batch, generator=g)
+    return tree, p, node_tokens, node_valid, q, uniforms, final
+
+
+@pytest.mark.parametrize("options", [dict(window=5), dict(PD, window=4, pd_candidates=2),
+                                     dict(PD, window=5, pd_candidates=3, pd_depth=4),
+                                     dict(PD, window=6, pd_candidates=4, pd_depth=3)])
+def test_loop_verifier_equals_verify_tree(options):
+    """The node-by-node verifier of the power tests is the engine's rule, so a broken variant
+    of it differs from the engine only by the injected bug."""
+    settings = AccelerationSettings(**options)
+    for seed in range(4):
+        inputs = _verification_inputs(settings, seed)
+        fast = verify.verify_tree(*inputs, verify.ExactAcceptance())
+        loops = loop_verify_tree(*inputs)
+        assert torch.equal(fast.accepted, loops.accepted)
+        assert torch.equal(fast.path, loops.path)
+        assert torch.equal(fast.tokens, loops.tokens)
+        assert int(fast.accepted.max()) >= 2  # deep paths were taken and compared
+
+
+# ------------------------------------------------------------------ power: broken variants
+def vp_verified_against_p(monkeypatch):
+    """VP drafts drawn from q' but recorded (and so verified) as drawn from the target p."""
     exact_redraft = engine.redraft
 
     def verified_against_target(state, targets, has_target, *args):
@@ -76,12 +251,11 @@ def test_power_verifying_vp_drafts_against_p_instead_of_q_prime_is_rejected(mode
         return state
 
     monkeypatch.setattr(engine, "redraft", verified_against_target)
-    assert _p_value(model, joint, AccelerationSettings(**MODES["sjd+vp"])) < REJECT_P
 
 
-def test_power_drawing_siblings_from_a_residual_is_rejected(model, joint, monkeypatch):
-    """Siblings 2..K drawn from AC's residual ``norm(max(0, q_new - q_old))`` but verified as
-    if drawn from ``q_new`` without the first candidate."""
+def siblings_from_a_residual(monkeypatch):
+    """Siblings 2..K drawn from AC's residual ``norm(max(0, q_new - q_old))`` but verified as if
+    drawn from ``q_new`` without the first candidate (the published code's rule)."""
     exact_redraft, exact_top = engine.redraft, drafting.race_top
     previous_q = {}
 
@@ -105,8 +279,6 @@ def test_power_drawing_siblings_from_a_residual_is_rejected(model, joint, monkey
     monkeypatch.setattr(engine, "redraft", remember_previous_q)
     monkeypatch.setattr(drafting, "race_top", siblings_from_residual)
     monkeypatch.setattr(engine._Decoder, "drop_finished", drop_finished)
-    settings = AccelerationSettings(**MODES["sjd+ac+pd"])
-    assert _p_value(model, joint, settings, POWER_SAMPLES) < REJECT_P
 
 
 def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_uniform, rule):
@@ -132,23 +304,100 @@ def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, fina
     has_child = first_child >= 0
     final_q = q.gather(1, first_child.clamp_min(0)[:, None, None].expand(-1, 1, vocab)).squeeze(1)
     final_p = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    final = sample(torch.where(has_child[:, None], residual(final_p, final_q), final_p), final_uniform)
-    offsets = torch.arange(window)
+    final = sample(torch.where(has_child[:, None], residual(final_p, final_q), final_p),
+                   final_uniform)
+    offsets = torch.arange(tree.window)
     next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
     tokens = torch.where(offsets == accepted[:, None], final[:, None],
                          node_tokens.gather(1, next_nodes))
-    kinds = torch.full((batch, window), verify.ACCEPTED)
-    return verify.Verdict(path, accepted, tokens, kinds, torch.full((batch, window), 0.5))
+    kinds = torch.full((batch, tree.window), verify.ACCEPTED)
+    return verify.Verdict(path, accepted, tokens, kinds, torch.full((batch, tree.window), 0.5))
 
 
-def test_power_taking_the_longest_accepted_row_is_rejected(model, joint, monkeypatch):
-    settings = AccelerationSettings(**MODES["sjd+pd"])
+def longest_accepted_row(monkeypatch):
     monkeypatch.setattr(engine, "verify_tree", longest_row_verify)
-    assert _p_value(model, joint, settings) < REJECT_P
+
+
+def ratio_scaled_by_1_2(monkeypatch):
+    """Drafts accepted with probability min(1, 1.2 p(x) / q(x))."""
+
+    class Generous(verify.ExactAcceptance):
+        def masses(self, p, q, x, p_x, q_x):
+            return 1.2 * p_x, q_x
+
+    monkeypatch.setattr(engine, "acceptance_rule", lambda settings, embeddings: Generous())
+
+
+def residual_drawn_from_p(monkeypatch):
+    """After a rejection the slot is drawn from the target p instead of norm(max(0, p - q))."""
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+
+
+def ac_replacement_from_target(monkeypatch):
+    """AC replaces a draft it does not keep by a draw from the new target q' instead of from
+    norm(max(0, q' - q_old)), while recording q' as what the draft was drawn from."""
+    monkeypatch.setattr(drafting, "residual", lambda p, q: p)
+
+
+def siblings_with_replacement(monkeypatch):
+    """Siblings drawn independently, each from q without the first candidate (so two siblings
+    may be the same code), but verified as draws without replacement."""
+    generator = torch.Generator().manual_seed(5)
+
+    def independent(dist, noise, count):
+        weights = dist.reshape(-1, dist.shape[-1])
+        # rows with no mass left give invalid candidates whatever is drawn
+        weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, 1.0)
+        draws = torch.multinomial(weights, count, replacement=True, generator=generator)
+        return draws.reshape(*dist.shape[:-1], count)
+
+    monkeypatch.setattr(drafting, "race_top", independent)
+
+
+def last_accepted_child(monkeypatch):
+    """All candidates of a node are tested, and the last accepted one is taken."""
+    monkeypatch.setattr(engine, "verify_tree",
+                        lambda *args: loop_verify_tree(*args, take="last"))
+
+
+BUGS = {
+    "VP verified against p instead of q'": (vp_verified_against_p, "sjd+vp"),
+    "siblings drawn from a residual": (siblings_from_a_residual, "sjd+ac+pd K4 D3, left init"),
+    "the longest accepted row": (longest_accepted_row, "sjd+pd K2 D3"),
+    "acceptance ratio scaled by 1.2": (ratio_scaled_by_1_2, "sjd"),
+    "residual drawn from p": (residual_drawn_from_p, "sjd"),
+    "AC replacement drawn from the new target": (ac_replacement_from_target, "sjd+ac"),
+    "siblings drawn with replacement": (siblings_with_replacement, "sjd+pd K4 D3"),
+    "the last accepted child wins": (last_accepted_child, "sjd+pd K4 D3"),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_power_a_broken_variant_is_rejected(model, joint, monkeypatch, bug):
+    """The exact code passes in the same mode (``test_lossless_modes_sample_the_model_distribution``)."""
+    inject, mode = BUGS[bug]
+    inject(monkeypatch)
+    value = p_value(model, joint, mode, POWER_SAMPLES, seed_offset=POWER)
+    print(f"\npower test, {bug} (mode {mode}): p = {value:.3g} ({POWER_SAMPLES} samples)")
+    assert value < REJECT_P
+
+
+def test_every_broken_variant_is_tested_in_a_tested_mode():
+    assert len(BUGS) >= 8 and all(mode in MODES for _, mode in BUGS.values())
 
 
 def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
     """The broken tree rule equals the exact rule when there is no tree (K = 1), so its
     rejection above comes from the tree rule itself, not from a mistake in the replacement."""
     monkeypatch.setattr(engine, "verify_tree", longest_row_verify)
-    assert _p_value(model, joint, AccelerationSettings(**MODES["sjd"])) > PASS_P
+    value = p_value(model, joint, "sjd", seed_offset=CONTROL)
+    print(f"\nlongest-row verifier on a chain: p = {value:.3g}")
+    assert value > PASS_P
+
+
+def test_loop_verifier_with_the_exact_rule_passes(model, joint, monkeypatch):
+    """The replacement used for 'the last accepted child wins' is exact with take='first'."""
+    monkeypatch.setattr(engine, "verify_tree", loop_verify_tree)
+    value = p_value(model, joint, "sjd+pd K4 D3", seed_offset=CONTROL)
+    print(f"\nloop verifier, first accepted child: p = {value:.3g}")
+    assert value > PASS_P

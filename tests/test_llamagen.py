@@ -205,7 +205,7 @@ def test_c2i_recipe(c2i):
     assert (xl["FID evaluation"].guidance, xl["FID evaluation"].top_k) == (1.75, 0)
     assert c2i.class_index("hen") == 8 and c2i.class_index("Goldfish") == 1
     assert c2i.class_index("Tinca tinca") == 0 and c2i.class_index(" 3 ") == 3
-    with pytest.raises(ValueError, match="class index 10 is out of range"):
+    with pytest.raises(ValueError, match="class index '10' is out of range"):
         c2i.class_index("10")
     with pytest.raises(ValueError, match="nor a class name"):
         c2i.class_index("zebra")

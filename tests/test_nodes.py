@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -141,8 +142,12 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
 def test_install_metadata():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     comfy = meta["tool"]["comfy"]
-    for key in ("PublisherId", "DisplayName", "Icon", "includes", "requires-comfyui"):
-        assert comfy[key] is not None, key
+    assert re.fullmatch(r"[a-z0-9][a-z0-9-]*", comfy["PublisherId"]), comfy["PublisherId"]
+    assert comfy["DisplayName"].strip() == comfy["DisplayName"] and len(comfy["DisplayName"]) > 5
+    assert comfy["Icon"].startswith("https://") and comfy["Icon"].endswith("/main/web/icon.png")
+    assert (REPO / "web" / "icon.png").is_file()
+    assert comfy["includes"] and all((REPO / path).is_dir() for path in comfy["includes"])
+    assert re.fullmatch(r">=\d+(\.\d+)*", comfy["requires-comfyui"]), comfy["requires-comfyui"]
     assert "web" not in comfy  # WEB_DIRECTORY is set: both would load the JS twice
     deps = meta["project"]["dependencies"]
     requirements = [line.split("#")[0].strip() for line in
@@ -508,4 +513,6 @@ def test_first_release_workflows_keep_their_sampler_layout():
 def test_models_folder_comes_from_the_environment_outside_comfyui(tmp_path, monkeypatch):
     monkeypatch.setenv("SJD_MODELS_DIR", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
     assert comfy_bridge.models_folders() == [str(tmp_path / "a"), str(tmp_path / "b")]
-    assert comfy_bridge.torch_device().type in ("cpu", "cuda")
+    for available, kind in ((False, "cpu"), (True, "cuda")):  # outside ComfyUI: CUDA if present
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert comfy_bridge.torch_device().type == kind

@@ -18,17 +18,19 @@ rows still decoding no longer pay for it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..messages import quote
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     redraft, shift_window
 from .planner import Plan, describe_shape, make_plan
 from .sampling import RowRandom, exponential, process, sample
-from .settings import AccelerationSettings, SamplingSettings
+from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
 
@@ -57,10 +59,15 @@ class GenerationResult:
 
 def _check_arguments(request: GenerationRequest, seed: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 2**16:
-        raise ValueError(f"seed={seed!r} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
-    if not isinstance(request.batch_size, int) or request.batch_size < 1:
-        raise ValueError(f"batch_size={request.batch_size!r} is not allowed: batch_size must be "
-                         "an integer >= 1.")
+        raise ValueError(f"seed={quote(seed)} is not allowed: seed must be an integer in [0, 2**63 - 65536).")
+    batch = request.batch_size
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch_size={quote(batch)} is not allowed: batch_size must be an "
+                         "integer >= 1.")
+    for name in ("prompt", "negative_prompt"):
+        if not isinstance(getattr(request, name), str):
+            raise ValueError(f"{name}={quote(getattr(request, name))} is not allowed: {name} must "
+                             "be a string.")
 
 
 class _Decoder:
@@ -217,6 +224,45 @@ class _Decoder:
                                self.codes.view(batch, self.stride)[:, :self.slots], shape)
 
 
+FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say
+
+
+
+def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool,
+                   history: bool) -> int:
+    """Estimated bytes of the engine's own tensors for one iteration (float32, not the model's).
+
+    Per row: the logits of every fed node over the codebook (twice with guidance) and about four
+    tensors of that size while the target is made and verified, plus the window's draft
+    distributions (four of them with VP's history).
+    """
+    per_row = nodes * vocab * (6 if guided else 5) + window * vocab * (4 if history else 1)
+    return 4 * batch * per_row
+
+
+def memory_budget(device: object) -> int:
+    """Free bytes on ``device``: CUDA's free memory, the machine's available memory for the CPU,
+    or ``FALLBACK_MEMORY`` where neither can be read."""
+    try:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return FALLBACK_MEMORY
+
+
+def check_batch(batch: int, nodes: int, window: int, vocab: int, guided: bool, history: bool,
+                device: object) -> None:
+    """Refuse a batch whose decoding state cannot fit in the device's free memory."""
+    need, free = decoding_bytes(batch, nodes, window, vocab, guided, history), memory_budget(device)
+    require(need <= free, "batch_size", batch,
+             f"small enough for the decoding state to fit: it would take about {need / 2**30:,.1f} "
+             f"GiB ({nodes} nodes and a window of {window} over {vocab} codes per image), and "
+             f"{free / 2**30:,.1f} GiB are free; draw fewer images per run, or lower the window "
+             "or pd_candidates")
+
+
 @torch.no_grad()
 def generate(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
              acceleration: AccelerationSettings, seed: int,
@@ -224,13 +270,18 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
-    propagates; the model itself is left usable). Runs without autograd.
+    propagates; the model itself is left usable). Runs without autograd. Before the prefill it
+    refuses (ValueError) a bad seed, batch size or prompt type, more PD candidates than the
+    codebook has codes, and a batch whose decoding state would not fit in the device's memory.
     """
     _check_arguments(request, seed)
+    acceleration.check_codebook(model.codebook_size)
     device = torch.device(model.device)
     marks: list = []  # the recorder's clock, once the decoder exists
     plan: Plan = make_plan(acceleration, model, request, sampling, device,
                            lambda i: marks[0].seconds_between(4 * i, 4 * i + 3))
+    check_batch(request.batch_size, plan.max_nodes, acceleration.window, model.codebook_size,
+                sampling.guidance != 1.0, acceleration.verification_prediction, device)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
     decoder = _Decoder(model, session, sampling, acceleration, seed, device)
     marks.append(decoder.recorder.clock)
@@ -253,7 +304,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     meta = {"mode": plan.mode_name, "lossless": acceleration.lossless,
             "window": acceleration.window, "tree_nodes": plan.max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
-            "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy()}
+            "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
+            "warnings": [str(w) for w in getattr(session, "warnings", ())]}
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
     codes = decoder.codes.view(-1, decoder.stride)[:, :decoder.slots]

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from ..messages import quote
+
 InitRule = Literal["uniform", "left", "above", "above_target"]
 RelaxedRule = Literal["none", "lantern", "gsd"]
 
@@ -19,15 +21,36 @@ RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
 PRESETS: tuple[str, ...] = ("auto", "ar", "sjd", "pac", "pac+vp")
 DEFAULT_PRESET = "auto"  # what the nodes, the demo and the benchmarks run unless told otherwise
 
+# Limits that keep every run finite: larger values would only allocate without end. The nodes'
+# widgets stop at the same values; these hold for the API and for edited workflow files too.
+MAX_WINDOW = 256
+MAX_PD_CANDIDATES = 16
+MAX_PD_DEPTH = 16
+MAX_TREE_NODES = 1024  # nodes one forward feeds: the PD tree plus the chain after it
 
-def _require(condition: bool, setting: str, value: object, allowed: str) -> None:
+
+def require(condition: bool, setting: str, value: object, allowed: str) -> None:
+    """Raise ValueError naming the setting, its value (quoted) and what is allowed, unless
+    ``condition`` holds."""
     if not condition:
-        raise ValueError(f"{setting}={value!r} is not allowed: {setting} must be {allowed}.")
+        raise ValueError(f"{setting}={quote(value)} is not allowed: {setting} must be {allowed}.")
 
 
 def _finite(setting: str, value: float) -> None:
-    _require(isinstance(value, (int, float)) and math.isfinite(value), setting, value,
+    require(isinstance(value, (int, float)) and math.isfinite(value), setting, value,
              "a finite number (not NaN or infinity)")
+
+
+def _no_bool(setting: str, value: object, allowed: str) -> None:
+    """``True`` and ``False`` are ints to Python; refuse them where a number is meant."""
+    require(not isinstance(value, bool), setting, value, allowed)
+
+
+def tree_nodes(window: int, candidates: int, depth: int) -> int:
+    """Nodes one forward feeds: the PD tree (``candidates`` children per node, ``depth`` levels
+    counting the root) plus the chain to the end of the window; a plain window is a chain."""
+    levels = depth - 1 if candidates > 1 else 0
+    return sum(candidates ** level for level in range(levels + 1)) + window - 1 - levels
 
 
 @dataclass(frozen=True)
@@ -46,12 +69,13 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         for name in ("guidance", "temperature", "top_p"):
             _finite(name, getattr(self, name))
-        _require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
-        _require(self.temperature > 0, "temperature", self.temperature,
+        require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
+        require(self.temperature > 0, "temperature", self.temperature,
                  "> 0 (for greedy decoding set top_k=1)")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+        require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                  "an integer >= 0 (0 = off, 1 = greedy)")
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
+        _no_bool("top_k", self.top_k, "an integer >= 0 (0 = off, 1 = greedy)")
 
 
 @dataclass(frozen=True)
@@ -99,22 +123,22 @@ class AccelerationSettings:
     adaptive_shape: bool = False
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
+        require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
                  "an integer >= 1 (1 = plain autoregression)")
-        _require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
-        _require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
+        require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
+        require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
                  f"one of {RELAXED_RULES}")
-        _require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
+        require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
                  "pd_candidates", self.pd_candidates, "an integer >= 1")
-        _require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
+        require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
                  self.pd_depth, "an integer >= 1")
-        _require(isinstance(self.vp_rises, int) and self.vp_rises >= 1, "vp_rises",
+        require(isinstance(self.vp_rises, int) and self.vp_rises >= 1, "vp_rises",
                  self.vp_rises, "an integer >= 1")
-        _require(isinstance(self.vp_top_k, int) and self.vp_top_k >= 1, "vp_top_k",
+        require(isinstance(self.vp_top_k, int) and self.vp_top_k >= 1, "vp_top_k",
                  self.vp_top_k, "an integer >= 1")
         _finite("vp_decay", self.vp_decay)
-        _require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
-        _require(self.lantern_neighbours is None or (isinstance(self.lantern_neighbours, int)
+        require(0 <= self.vp_decay < 1, "vp_decay", self.vp_decay, "in [0, 1)")
+        require(self.lantern_neighbours is None or (isinstance(self.lantern_neighbours, int)
                                                      and self.lantern_neighbours >= 1),
                  "lantern_neighbours", self.lantern_neighbours,
                  "an integer >= 1, or None (scaled to the codebook)")
@@ -122,23 +146,53 @@ class AccelerationSettings:
             if getattr(self, name) is None and name == "lantern_delta":
                 continue
             _finite(name, getattr(self, name))
-            _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
-        _require(self.lantern_delta is None or self.lantern_delta <= 1, "lantern_delta",
+            require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        require(self.lantern_delta is None or self.lantern_delta <= 1, "lantern_delta",
                  self.lantern_delta, "in [0, 1], or None (scaled to the codebook)")
-        _require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
+        require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
                  "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
         speculative = self.window > 1
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
                      "adaptive_shape"):
-            _require(not getattr(self, name) or speculative, name, getattr(self, name),
+            require(not getattr(self, name) or speculative, name, getattr(self, name),
                      "False when window=1 (plain autoregression has no drafts); raise window")
-        _require(self.relaxed == "none" or speculative, "relaxed", self.relaxed,
+        require(self.relaxed == "none" or speculative, "relaxed", self.relaxed,
                  "'none' when window=1 (plain autoregression has no drafts); raise window")
         if self.proactive_drafting:
-            _require(self.pd_depth <= self.window, "pd_depth", self.pd_depth,
+            require(self.pd_depth <= self.window, "pd_depth", self.pd_depth,
                      f"<= window ({self.window}); the tree lives inside the window")
-            _require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
+            require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
                      ">= 2 with proactive drafting (depth counts the root)")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        """The upper limits (``MAX_*``), and switches and counts of the right Python type."""
+        _no_bool("window", self.window, "an integer >= 1 (1 = plain autoregression)")
+        require(self.window <= MAX_WINDOW, "window", self.window,
+                 f"an integer in [1, {MAX_WINDOW}] (1 = plain autoregression)")
+        for name, high in (("pd_candidates", MAX_PD_CANDIDATES), ("pd_depth", MAX_PD_DEPTH)):
+            value = getattr(self, name)
+            _no_bool(name, value, "an integer >= 1")
+            require(value <= high, name, value, f"an integer in [1, {high}]")
+        for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
+            _no_bool(name, getattr(self, name), "an integer")
+        for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
+                     "adaptive_shape"):
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        if self.proactive_drafting:
+            nodes = tree_nodes(self.window, self.pd_candidates, self.pd_depth)
+            require(nodes <= MAX_TREE_NODES, "pd_depth", self.pd_depth,
+                     f"small enough that one forward feeds at most {MAX_TREE_NODES} nodes: "
+                     f"pd_candidates={self.pd_candidates}, pd_depth={self.pd_depth} and "
+                     f"window={self.window} would feed {nodes:,}; lower pd_candidates or pd_depth")
+
+    def check_codebook(self, codebook_size: int) -> None:
+        """Refuse what a model with ``codebook_size`` codes cannot draft (before any work)."""
+        if self.proactive_drafting:
+            require(self.pd_candidates <= codebook_size, "pd_candidates", self.pd_candidates,
+                     f"at most the model's codebook size ({codebook_size}): a slot has no more "
+                     "distinct codes to try")
 
     @property
     def lossless(self) -> bool:
@@ -178,8 +232,8 @@ class AccelerationSettings:
                            verification_prediction=True),
         }
         key = name.lower().replace(" ", "")
-        _require(key in base, "preset", name, f"one of {PRESETS}")
+        require(key in base, "preset", name, f"one of {PRESETS}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
-        _require(not unknown, "override", unknown, f"names of AccelerationSettings fields {sorted(known)}")
+        require(not unknown, "override", unknown, f"names of AccelerationSettings fields {sorted(known)}")
         return replace(cls(**base[key]), **overrides)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..messages import quote
 from .drafting import DRAFT_SOURCES
 from .verify import ACCEPTED, COMMIT_KINDS
 
@@ -210,6 +211,7 @@ class Trace:
             "draft_sources": {name: int(((self.draft_source == code)
                                          & (self.commit_kind == ACCEPTED)).sum())
                               for code, name in DRAFT_SOURCES.items() if code},
+            "warnings": [str(w) for w in self.meta.get("warnings", [])],
         }
 
     def slot_maps(self) -> dict[str, np.ndarray]:
@@ -231,20 +233,105 @@ class Trace:
 
     @classmethod
     def from_json(cls, text: str) -> "Trace":
-        """Inverse of :meth:`to_json`; ValueError when the text is not a trace."""
+        """Inverse of :meth:`to_json`; ValueError when the text is not a complete, consistent
+        trace of this version (see :meth:`validate`)."""
         try:
             body = json.loads(text)
-            arrays = {}
-            for name in cls.__dataclass_fields__["_arrays"].default:
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"trace: the text is not JSON ({error}); pass what Trace.to_json "
+                             "wrote.") from error
+        if not isinstance(body, dict) or not isinstance(body.get("meta"), dict):
+            raise ValueError("trace: the text is not a trace written by Trace.to_json (it has no "
+                             "'meta' object).")
+        if "trace_version" not in body["meta"]:
+            raise ValueError("trace: the text is not a trace written by Trace.to_json (its meta "
+                             "has no trace_version).")
+        version = body["meta"]["trace_version"]
+        if version != TRACE_VERSION:
+            raise ValueError(f"trace: trace_version={quote(version)} is not supported: this pack "
+                             f"reads trace version {TRACE_VERSION}; run the sampler again for a "
+                             "new trace.")
+        arrays = {}
+        for name in cls.__dataclass_fields__["_arrays"].default:
+            kind = _FLOAT_ARRAYS.get(name, np.int64)
+            try:
                 entry = body[name]
                 values = np.array(entry["values"], dtype=object)
-                if entry["dtype"].startswith("float"):
+                if kind is np.float64:
                     values = np.where(values == None, np.nan, values)  # noqa: E711
-                arrays[name] = values.astype(entry["dtype"]).reshape(entry["shape"])
-            return cls(meta=body["meta"], **arrays)
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as error:
-            raise ValueError(f"trace: the text is not a trace written by Trace.to_json ({error})") \
-                from error
+                arrays[name] = values.astype(kind).reshape(entry["shape"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"trace: array {name!r} is missing or unreadable ({error}); "
+                                 "pass what Trace.to_json wrote.") from error
+        trace = cls(meta=body["meta"], **arrays)
+        trace.validate()
+        return trace
+
+    def validate(self) -> None:
+        """Check that the arrays agree with the meta and with each other; ValueError if not.
+
+        Every array must have the shape the meta's grid, batch and the iteration count give,
+        every row must commit each slot of its grid exactly once, and codes must be known ones.
+        """
+        meta = self.meta
+
+        def positive(name: str, value: object) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"trace: meta {name}={quote(value)} is not allowed: it must be a "
+                                 "positive integer.")
+            return value
+
+        grid = meta.get("grid")
+        if not isinstance(grid, (list, tuple)) or len(grid) != 2:
+            raise ValueError(f"trace: meta grid={quote(grid)} is not allowed: it must be [height, "
+                             "width] in code slots.")
+        height, width = positive("grid height", grid[0]), positive("grid width", grid[1])
+        batch = positive("batch", meta.get("batch"))
+        positive("window", meta.get("window", 1))
+        shapes = meta.get("shapes", [])
+        if not isinstance(shapes, list) or not all(isinstance(x, str) for x in shapes):
+            raise ValueError(f"trace: meta shapes={quote(shapes)} is not allowed: it must be a "
+                             "list of strings.")
+        iterations = self.committed_per_iteration.shape[0]
+        expected = {"committed_per_iteration": (iterations, batch),
+                    "forward_seconds": (iterations,), "other_seconds": (iterations,),
+                    "shape_per_iteration": (iterations,)}
+        expected.update({name: (batch, height, width) for name in self.slot_maps()})
+        for name, shape in expected.items():
+            actual = tuple(getattr(self, name).shape)
+            if actual != shape:
+                raise ValueError(
+                    f"trace: array {name!r} has shape {actual}, but the meta (grid "
+                    f"{height}x{width}, batch {batch}) and {iterations} iterations make it "
+                    f"{shape}: the trace was edited or put together from different runs.")
+        committed = self.committed_per_iteration
+        if (committed < 0).any() or (committed.sum(0) != height * width).any():
+            raise ValueError(f"trace: committed_per_iteration sums to {committed.sum(0).tolist()} "
+                             f"slots per image, not {height * width} (grid {height}x{width}): "
+                             "the trace does not belong to its meta.")
+        checks = (
+            ("shape_per_iteration", self.shape_per_iteration, 0, len(shapes) - 1),
+            ("commit_iteration", self.commit_iteration, 0, iterations - 1),
+            ("iterations_in_window", self.iterations_in_window, 1, iterations),
+            ("commit_kind", self.commit_kind, min(COMMIT_KINDS), max(COMMIT_KINDS)),
+            ("draft_source", self.draft_source, min(DRAFT_SOURCES), max(DRAFT_SOURCES)),
+        )
+        for name, values, low, high in checks:
+            if values.size and (values.min() < low or values.max() > high):
+                raise ValueError(f"trace: {name} holds values in [{values.min()}, "
+                                 f"{values.max()}], outside [{low}, {high}]: the trace was edited "
+                                 "or is damaged; run the sampler again for a new trace.")
+        probability = self.acceptance_probability[~np.isnan(self.acceptance_probability)]
+        seconds = np.concatenate([self.forward_seconds, self.other_seconds])
+        if ((probability < 0) | (probability > 1)).any() or not np.isfinite(seconds).all() \
+                or (seconds < 0).any():
+            raise ValueError("trace: acceptance probabilities must lie in [0, 1] and seconds must "
+                             "be finite and >= 0: the trace was edited or is damaged; run the "
+                             "sampler again for a new trace.")
+
+
+_FLOAT_ARRAYS = {"forward_seconds": np.float64, "other_seconds": np.float64,
+                 "acceptance_probability": np.float64}
 
 
 def summary_text(summary: dict[str, Any]) -> str:
@@ -258,4 +345,4 @@ def summary_text(summary: dict[str, Any]) -> str:
         text += "; steps by shape: " + ", ".join(f"{name} x{count}" for name, count in shapes[:4])
         if len(shapes) > 4:
             text += f", {len(shapes) - 4} more"
-    return text
+    return text + "".join(f". WARNING: {w}" for w in summary.get("warnings", []))

@@ -33,7 +33,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .family_common import check_codes, encode, load_tokenizer, to_images
+from ..messages import quote
+from .family_common import (check_codes, check_prompt_length, encode, load_config, load_tokenizer,
+                            to_images)
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
@@ -302,15 +304,24 @@ class ChameleonImageModel:
         prompts = request.extra.get("prompts", [request.prompt] * request.batch_size)
         if (not isinstance(prompts, (list, tuple)) or len(prompts) != request.batch_size
                 or not all(isinstance(p, str) for p in prompts)):
-            raise ValueError(f"extra['prompts']={prompts!r} is not allowed: it must be a list of "
+            raise ValueError(f"extra['prompts']={quote(prompts)} is not allowed: it must be a list of "
                              f"{request.batch_size} strings, one per batch row.")
-        cond = [Context(ids=torch.tensor(self.prompt_ids(p, resolution))) for p in prompts]
-        uncond = None
+        cond_ids = [self.prompt_ids(p, resolution) for p in prompts]
+        names = ([f"prompt[{i}]" for i in range(len(prompts))] if "prompts" in request.extra
+                 else ["prompt"] * len(prompts))
+        checked = list(zip(names, cond_ids))
+        uncond_ids = None
         if request.guidance != 1.0:
             negative = request.negative_prompt.strip()
-            ids = self.prompt_ids(negative, resolution) if negative else self.unconditional_ids(resolution)
-            uncond = [Context(ids=torch.tensor(ids))] * request.batch_size
-        return HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
+            uncond_ids = self.prompt_ids(negative, resolution) if negative else self.unconditional_ids(resolution)
+            checked.append(("negative_prompt", uncond_ids))
+        image_tokens = grid[0] * grid[1] + (grid[0] if self.row_end_id is not None else 0) + 1
+        for name, ids in checked:
+            check_prompt_length(self.family, name, len(ids), image_tokens,
+                                int(self.model.config.max_position_embeddings))
+        uncond = None if uncond_ids is None else [Context(ids=torch.tensor(uncond_ids))] * request.batch_size
+        return HFSession(self.parts(), [Context(ids=torch.tensor(ids)) for ids in cond_ids], uncond, grid,
+                         request.max_nodes)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, H, W) codes -> (B, pixels per code x (H, W), 3) float images in [0, 1] on the CPU."""
@@ -339,7 +350,7 @@ def build(folder: Path, device=None, dtype=None, device_map=None, family: str | 
     family = family or (LUMINA if _is_lumina(folder) else ANOLE)
     dev, dtype = resolve_device_dtype(device, dtype, weights)
     quantization = quantization_config(weights, dev, keep=("vqmodel",))
-    config = ChameleonConfig.from_pretrained(str(folder), local_files_only=True)
+    config = load_config(ChameleonConfig, folder, family)
     resolutions = lumina_resolutions(trained_size(folder)) if family == LUMINA else [(ANOLE_SIZE, ANOLE_SIZE)]
     layout = TokenLayout.read(config.vocabulary_map or {}, family, resolutions)
     tokenizer = load_tokenizer(folder, family)

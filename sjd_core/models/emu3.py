@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
-                            pick_grid, read_json, to_images)
+from .family_common import (check_codes, check_prompt_length, config_model_type, encode,
+                            image_norm, load_config, load_tokenizer, pick_grid, read_json,
+                            to_images)
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
@@ -143,12 +144,19 @@ class Emu3Model:
 
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
-        cond = Context(ids=torch.tensor(self.prompt_ids(request.prompt + POSITIVE_SUFFIX, grid)))
-        uncond = None
+        ids = self.prompt_ids(request.prompt + POSITIVE_SUFFIX, grid)
+        rows = {"prompt": ids}
         if request.guidance != 1.0:
-            negative = request.negative_prompt or NEGATIVE_PROMPT
-            uncond = [Context(ids=torch.tensor(self.prompt_ids(negative, grid)))] * request.batch_size
-        return HFSession(self.parts(), [cond] * request.batch_size, uncond, grid, request.max_nodes)
+            rows["negative_prompt"] = self.prompt_ids(request.negative_prompt or NEGATIVE_PROMPT, grid)
+        image_tokens = grid[0] * (grid[1] + 1) + 3  # codes, row ends, the three end tokens
+        context = int(self.model.config.text_config.max_position_embeddings)
+        for name, row in rows.items():
+            check_prompt_length("Emu3", name, len(row), image_tokens, context)
+        uncond = None
+        if "negative_prompt" in rows:
+            uncond = [Context(ids=torch.tensor(rows["negative_prompt"]))] * request.batch_size
+        return HFSession(self.parts(), [Context(ids=torch.tensor(ids))] * request.batch_size, uncond, grid,
+                         request.max_nodes)
 
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
@@ -182,8 +190,8 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
 
     device, dtype = resolve_device_dtype(device, dtype, weights)
     quantization = quantization_config(weights, device, keep=("vqmodel",))
+    config = load_config(Emu3Config, path, "Emu3")  # first: the tokenizer reads config.json too
     tokenizer = load_tokenizer(path, "Emu3")
-    config = Emu3Config.from_pretrained(str(path), local_files_only=True)
     files = safetensors_files(path)
     area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
     model = load_transformers_model(Emu3ForConditionalGeneration, config, files, device, dtype,

@@ -7,6 +7,16 @@ from pathlib import Path
 
 import torch
 
+from ..messages import first_line, quote
+
+# Tokenizer files that are JSON: each is checked on its own, so a damaged one is named.
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json")
+MIN_PROMPT_ROOM = 1024  # prompt tokens always allowed (see check_prompt_length)
+# Encoded once when a tokenizer loads, so a broken vocabulary fails there and not mid-run.
+TOKENIZER_PROBE = ("A photo of a red fox, 1024x1024: watercolour; \"quoted\" (text) & symbols "
+                   "!?#$%*+-/<=>@[]^_`{|}~ \\ caf\u00e9 na\u00efve \u65e5\u672c \U0001f98a\n")
+
 
 def read_json(file: Path) -> dict:
     """A JSON object from ``file`` ({} when the file does not exist)."""
@@ -15,7 +25,11 @@ def read_json(file: Path) -> dict:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except ValueError as error:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {error}") from None
+        raise ValueError(f"{str(file)!r} is not valid JSON ({first_line(error)}): the file is "
+                         "damaged or incomplete; download it again.") from None
+    except OSError as error:
+        raise ValueError(f"{str(file)!r} cannot be read ({first_line(error)}); check that the "
+                         "file is readable.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{str(file)!r} must hold a JSON object, got {type(data).__name__}.")
     return data
@@ -44,8 +58,31 @@ def pick_grid(family: str, resolution: tuple[int, int] | None,
     return grids[key]
 
 
+def load_config(config_class: type, folder: Path, family: str):
+    """``config_class`` from ``folder/config.json``; ValueError naming the file and the family.
+
+    transformers checks field types when it builds a config (a string where a number belongs
+    raises a huggingface_hub validation error); that and any other failure to read the file is
+    reported as the checkpoint's problem, with the file.
+    """
+    file = folder / "config.json"
+    read_json(file)
+    try:
+        return config_class.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:
+        detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise ValueError(f"{family} checkpoint: {str(file)!r} is not a valid {config_class.__name__} "
+                         f"({quote(detail)}); fix the field it names or download the file again."
+                         ) from error
+
+
 def load_tokenizer(folder: Path, family: str):
-    """The checkpoint's own tokenizer (local files only, no remote code)."""
+    """The checkpoint's own tokenizer (local files only, no remote code), checked on a test text.
+
+    Every failure names the family and the tokenizer file: a JSON file that does not parse, a
+    tokenizer transformers cannot build, or one that cannot encode ordinary text (for example a
+    vocabulary without its unknown token), which would otherwise fail only when generating.
+    """
     from transformers import AutoTokenizer
 
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
@@ -54,12 +91,55 @@ def load_tokenizer(folder: Path, family: str):
                                 f"tokenizer files (tokenizer.json, or vocab.json + merges.txt, with "
                                 f"tokenizer_config.json) next to config.json; download them with the "
                                 f"weights.")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    for name in TOKENIZER_JSON:
+        try:
+            read_json(folder / name)
+        except ValueError as error:
+            raise ValueError(f"{family} tokenizer: {error}") from None
+    present = ", ".join(name for name in (*TOKENIZER_JSON, "merges.txt", "tokenizer.model")
+                        if (folder / name).is_file())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                  trust_remote_code=False)
+    except Exception as error:
+        raise ValueError(f"{family} tokenizer in {str(folder)!r} ({present}) cannot be loaded "
+                         f"({first_line(error)}); download the tokenizer files again.") from error
+    try:
+        tokenizer(TOKENIZER_PROBE, add_special_tokens=False)
+    except Exception as error:
+        raise ValueError(f"{family} tokenizer in {str(folder)!r} ({present}) loads but cannot "
+                         f"encode text ({first_line(error)}): its vocabulary is damaged; download "
+                         "the tokenizer files again.") from error
+    return tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of plain text, without special tokens added by the tokenizer."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception as error:
+        raise ValueError(f"the tokenizer cannot encode the text {quote(text)} "
+                         f"({first_line(error)}); remove unusual characters or repair the "
+                         "tokenizer files.") from error
+
+
+def check_prompt_length(family: str, input_name: str, tokens: int, image_tokens: int,
+                        context: int) -> None:
+    """Refuse a prompt that leaves the image too few of the model's ``context`` positions.
+
+    ``tokens`` counts the whole conditioning sequence (template and special tokens included);
+    ``image_tokens`` the codes and structural tokens of the image at the chosen resolution.
+    Rotary-position models also read past their configured context (a family's largest size may
+    need more than ``max_position_embeddings`` by itself), so a prompt always has at least
+    ``MIN_PROMPT_ROOM`` tokens. Called before the prefill, so an overlong prompt costs no memory.
+    """
+    room = max(context - image_tokens, MIN_PROMPT_ROOM)
+    if tokens > room:
+        floor = f"; a prompt may always have {MIN_PROMPT_ROOM:,}" if room > context - image_tokens else ""
+        raise ValueError(f"{input_name} is {tokens:,} tokens long with {family}'s prompt template; "
+                         f"at most {room:,} fit ({family}'s context is {context:,} positions and the "
+                         f"image takes {image_tokens:,} at this resolution{floor}): shorten the "
+                         f"{input_name.split('[')[0]}.")
 
 
 def check_codes(family: str, codes: torch.Tensor, codebook_size: int) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .family_common import (check_codes, config_model_type, encode, image_norm, load_tokenizer,
-                            pick_grid, read_json, to_images)
+from .family_common import (check_codes, check_prompt_length, config_model_type, encode,
+                            image_norm, load_config, load_tokenizer, pick_grid, read_json,
+                            to_images)
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
@@ -85,6 +86,8 @@ class JanusModel:
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
         ids = self.prompt_ids(request.prompt)
+        check_prompt_length("Janus-Pro", "prompt", len(ids), grid[0] * grid[1],
+                            int(self.model.config.text_config.max_position_embeddings))
         cond = [Context(ids=torch.tensor(ids))] * request.batch_size
         uncond = None
         if request.guidance != 1.0:
@@ -130,8 +133,8 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
 
     device, dtype = resolve_device_dtype(device, dtype, weights)
     quantization = quantization_config(weights, device, keep=("vqmodel", "generation_head"))
+    config = load_config(JanusConfig, path, "Janus-Pro")  # first: the tokenizer reads config.json too
     tokenizer = load_tokenizer(path, "Janus-Pro")
-    config = JanusConfig.from_pretrained(str(path), local_files_only=True)
     generation = read_json(path / "generation_config.json")
     where = str(path / "generation_config.json")
     image_start_id = generation.get("boi_token_id") or _token_id(tokenizer, IMAGE_START_TOKEN, where)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ..messages import quote
 from .family_common import check_codes, pick_grid, read_json, to_images
 from .hf_session import Context, DecoderParts, HFSession
 from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ_SAFETENSORS, LlamaGenSpec,
@@ -124,18 +125,17 @@ class LlamaGenModel:
         text = prompt.strip()
         n = self.spec.num_classes
         if re.fullmatch(r"\d+", text):
-            index = int(text)
-            if index >= n:
-                raise ValueError(f"class index {index} is out of range: this LlamaGen model has classes "
-                                 f"0..{n - 1}.")
-            return index
+            if len(text.lstrip("0")) > len(str(n)) or int(text) >= n:
+                raise ValueError(f"class index {quote(text)} is out of range: this LlamaGen model has "
+                                 f"classes 0..{n - 1}.")
+            return int(text)
         if text.lower() in self._class_names:
             return self._class_names[text.lower()]
         if not self._class_names:
-            raise ValueError(f"prompt={prompt!r} is not a class index, and there is no {CLASS_NAMES_FILE} "
+            raise ValueError(f"prompt={quote(prompt)} is not a class index, and there is no {CLASS_NAMES_FILE} "
                              f"in {str(self.folder)!r} to look names up: give an index 0..{n - 1}, or "
                              f"add that file (one class name per line, line i = class i).")
-        raise ValueError(f"prompt={prompt!r} is not a class index 0..{n - 1} nor a class name listed in "
+        raise ValueError(f"prompt={quote(prompt)} is not a class index 0..{n - 1} nor a class name listed in "
                          f"{str(self.folder / CLASS_NAMES_FILE)!r}.")
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import JanusVQVAE, JanusVQVAEConfig, LlamaConfig
 
+from ..messages import first_line
 from .family_common import read_json
 from .llamagen_modules import LlamaGenTransformer
 from .weights import DeviceMap, load_transformers_model
@@ -81,20 +82,29 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as error:
             raise ValueError(f"LlamaGen weights file {str(path)!r} is not a readable safetensors file "
                              f"(truncated or damaged?): {error}") from None
+    if path.stat().st_size == 0:
+        raise ValueError(f"LlamaGen weights file {str(path)!r} is empty (0 bytes): the download did "
+                         "not complete; download it again.")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             loaded = torch.load(path, map_location="cpu", weights_only=True,
                                 mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        refused_code, reason = _unpickler_reason(error)
+        if not refused_code:
+            raise ValueError(f"LlamaGen weights file {str(path)!r} cannot be read as a PyTorch "
+                             f"checkpoint ({reason}): it is truncated or damaged; download it "
+                             "again.") from None
         raise ValueError(
             f"LlamaGen weights file {str(path)!r} holds Python objects other than tensors (code or "
             f"custom classes); it is refused because only weights-only pickles are read. Use the "
-            f"official file, or re-save just its state dict from a trusted environment. ({first})"
+            f"official file, or re-save just its state dict from a trusted environment. ({reason})"
         ) from None
-    except (RuntimeError, EOFError) as error:
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as error:
+        # random bytes make the unpickler fail in many ways; all of them mean a damaged file
         raise ValueError(f"LlamaGen weights file {str(path)!r} cannot be read as a PyTorch checkpoint "
-                         f"(truncated or damaged?): {str(error).splitlines()[0]}") from None
+                         f"({first_line(error)}): it is truncated or damaged; download it again."
+                         ) from None
     state = loaded
     if isinstance(loaded, dict):
         for key in ("model", "module", "state_dict"):
@@ -106,6 +116,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"LlamaGen weights file {str(path)!r} holds no state dict: expected a dict of "
                          f"tensors, or one under 'model', 'module' or 'state_dict'.")
     return state
+
+
+def _unpickler_reason(error: pickle.UnpicklingError) -> tuple[bool, str]:
+    """(whether torch's weights-only loader refused a global, i.e. code or a custom class; the
+    part of its message that says what it refused)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    marker = "WeightsUnpickler error:"
+    for line in lines:
+        if "GLOBAL" in line:  # the pickle opcode that names a class or function to import
+            return True, line.split(marker)[-1].strip()
+    for index, line in enumerate(lines):
+        if marker in line:
+            rest = line.split(marker, 1)[1].strip() or next(iter(lines[index + 1:]), "")
+            return False, rest or first_line(error)
+    return False, first_line(error)
 
 
 def image_size_from_name(name: str) -> int | None:

@@ -38,6 +38,10 @@ default first, each naming its source; ``defaults`` is that first recipe.
 Batches shrink: when some images are finished the engine calls ``retain(rows)`` with the batch
 rows that are still decoding; from then on ``batch_size`` is ``len(rows)`` and row ``i`` of every
 tensor means old row ``rows[i]``.
+
+Warnings: a session may carry ``warnings``, a list of sentences about how the request was read
+(for example a prompt that named nothing the model reads); the engine copies them into the
+trace, and the run's summary shows them.
 """
 
 from __future__ import annotations

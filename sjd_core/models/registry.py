@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
+from ..messages import first_line, quote
 from . import chameleon, emu3, janus, llamagen, lumina2, reference
+from .family_common import read_json
 from .protocol import ImageTokenModel
 from .weights import DeviceMap
 
@@ -38,6 +40,13 @@ class Family:
     resolutions: Callable[[Path], list[tuple[int, int]]]
 
 
+# Files whose contents tell the families apart; when none matches, these must at least parse.
+DESCRIPTIONS = ("config.json", reference.DESCRIPTION)
+# Libraries whose own exception classes, raised while a checkpoint loads, are reported as
+# ValueError naming the family and the checkpoint.
+LIBRARIES = ("transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate", "torch",
+             "json", "yaml")
+
 FAMILIES: tuple[Family, ...] = (
     Family(lumina2.FAMILY, lumina2.detect, lumina2.build, lumina2.EXPECTS, lumina2.resolutions_on_disk),
     Family(chameleon.LUMINA, chameleon.detect_lumina, chameleon.build_lumina,
@@ -56,13 +65,15 @@ def family_of(path: str | os.PathLike) -> Family:
     """The family whose ``detect`` recognises ``path`` first; errors name what each expects."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"Model path {str(p)!r} does not exist.")
+        raise FileNotFoundError(f"Model path {quote(str(p))} does not exist.")
     for family in FAMILIES:
         if family.detect(p):
             return family
+    for name in DESCRIPTIONS:
+        read_json(p / name)  # a damaged description says so, instead of "no known family"
     listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
-    raise ValueError(f"{str(p)!r} is not a checkpoint of a known model family. Known families and "
-                     f"what each expects on disk:\n{listing}")
+    raise ValueError(f"{quote(str(p))} is not a checkpoint of a known model family. Known families "
+                     f"and what each expects on disk:\n{listing}")
 
 
 def resolutions_on_disk(path: str | os.PathLike) -> tuple[str, list[tuple[int, int]]]:
@@ -99,5 +110,13 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
         (torchao; decoding is exact with respect to the quantised model). None: as ``dtype``.
     """
     family = family_of(path)
-    return family.build(Path(path).expanduser(), device=device, dtype=dtype, device_map=device_map,
-                        weights=weights)
+    p = Path(path).expanduser()
+    try:
+        return family.build(p, device=device, dtype=dtype, device_map=device_map, weights=weights)
+    except Exception as error:
+        if type(error).__module__.split(".")[0] not in LIBRARIES:
+            raise  # the pack's own errors already say what to do
+        raise ValueError(f"{family.name} checkpoint {quote(str(p))} could not be loaded: "
+                         f"{type(error).__name__} from {type(error).__module__} "
+                         f"({first_line(error)}); check that every file of the checkpoint is "
+                         "complete, or download it again.") from error

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from ..messages import quote
 from .protocol import GenerationRequest, SamplingDefaults
 from .session.kv_store import KVStore
 from .session.slot_session import Fed, SlotSession
@@ -122,7 +123,7 @@ class SyntheticModel(nn.Module):
 
     def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
         if resolution is not None and tuple(resolution) != self.supported_resolutions()[0]:
-            raise ValueError(f"resolution={resolution!r} is not supported by the synthetic model; "
+            raise ValueError(f"resolution={quote(resolution)} is not supported by the synthetic model; "
                              f"supported: {self.supported_resolutions()}")
         return self.grid
 

@@ -23,11 +23,13 @@ import dataclasses
 import json
 import tempfile
 import weakref
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+from ..messages import first_line, quote
 
 if TYPE_CHECKING:
     from transformers import TorchAoConfig
@@ -126,7 +128,7 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r} is not allowed: use a floating torch dtype such as "
+        raise ValueError(f"dtype={quote(dtype)} is not allowed: use a floating torch dtype such as "
                          "torch.bfloat16, torch.float16 or torch.float32.")
     return dev, dtype
 
@@ -142,9 +144,13 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {err}") from err
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): "
+                             f"{first_line(err)}") from err
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names, "
+                             f"got {quote(weight_map)}; download the index again.")
+        files = [_shard(folder, index, name) for name in dict.fromkeys(weight_map.values())]
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     else:
@@ -161,6 +167,20 @@ def safetensors_files(folder: Path) -> list[Path]:
         except SafetensorError as err:
             raise ValueError(f"Weight file {str(f)!r} is damaged or truncated ({err}); download it again.") from err
     return files
+
+
+def _shard(folder: Path, index: Path, name: object) -> Path:
+    """The file a shard name of ``index`` names, refused unless it stays inside ``folder``.
+
+    The check reads the name, not the file system, so shards that are symlinks (as in the
+    Hugging Face cache) still load.
+    """
+    readings = (PurePosixPath(name), PureWindowsPath(name)) if isinstance(name, str) else ()
+    if not name or not readings or any(p.anchor or ".." in p.parts for p in readings):
+        raise ValueError(f"{index} names the shard {quote(name)}, which is not a file inside "
+                         f"{str(folder)!r}; shard names must be file names in the checkpoint "
+                         "folder. Download the index again.")
+    return folder / name
 
 
 def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -215,7 +235,7 @@ def _resolve_device_map(model: nn.Module, device_map: DeviceMap, dtype: torch.dt
         return _without_nesting(model, device_map)
     allowed = ("auto", "balanced", "balanced_low_0", "sequential")
     if device_map not in allowed:
-        raise ValueError(f"device_map={device_map!r} is not allowed: use one of {allowed} or a dict "
+        raise ValueError(f"device_map={quote(device_map)} is not allowed: use one of {allowed} or a dict "
                          "of module name -> device ('cuda:0', 'cpu', 'disk').")
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     max_memory = None

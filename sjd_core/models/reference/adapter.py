@@ -25,7 +25,8 @@ from ..weights import (input_device, load_transformers_model, quantization_confi
                        safetensors_files)
 from ..protocol import GenerationRequest, SamplingDefaults
 from . import codebook as cb
-from .prompts import ClassVocabulary
+from ...messages import quote
+from .prompts import ClassVocabulary, unread
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DESCRIPTION = "reference.json"
@@ -104,7 +105,7 @@ class ReferenceModel:
     def grid_for(self, resolution: tuple[int, int] | None) -> tuple[int, int]:
         """(16, 16) for 32x32 pixels (or None); anything else is a ValueError."""
         if resolution is not None and tuple(resolution) != self.pixels:
-            raise ValueError(f"resolution={resolution!r} is not allowed: the reference model draws "
+            raise ValueError(f"resolution={quote(resolution)} is not allowed: the reference model draws "
                              f"only {self.pixels[0]}x{self.pixels[1]} pixels (width, height).")
         return self.grid
 
@@ -124,19 +125,23 @@ class ReferenceModel:
         self.grid_for(request.resolution)
         batch = request.batch_size
         if not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch_size={batch!r} is not allowed: it must be an integer >= 1.")
+            raise ValueError(f"batch_size={quote(batch)} is not allowed: it must be an integer >= 1.")
         prompts = request.extra.get("prompts", [request.prompt] * batch)
-        if isinstance(prompts, str) or len(prompts) != batch:
-            raise ValueError(f"extra['prompts']={prompts!r} is not allowed: it must be a list of "
+        if not isinstance(prompts, (list, tuple)) or len(prompts) != batch:
+            raise ValueError(f"extra['prompts']={quote(prompts)} is not allowed: it must be a list of "
                              f"batch_size={batch} prompts, one per image.")
-        cond = [Context(ids=self._token(self.class_of(p, f"prompt[{i}]" if "prompts" in request.extra
-                                                      else "prompt")))
-                for i, p in enumerate(prompts)]
+        names = ([f"prompt[{i}]" for i in range(batch)] if "prompts" in request.extra
+                 else ["prompt"] * batch)
+        cond = [Context(ids=self._token(self.class_of(p, name))) for p, name in zip(prompts, names)]
+        read = list(dict(zip(names, prompts)).items())
         uncond = None
         if request.guidance != 1.0:
             negative = self.class_of(request.negative_prompt, "negative_prompt")
             uncond = [Context(ids=self._token(negative)) for _ in range(batch)]
-        return HFSession(self.parts, cond, uncond, self.grid, request.max_nodes)
+            read.append(("negative_prompt", request.negative_prompt))
+        session = HFSession(self.parts, cond, uncond, self.grid, request.max_nodes)
+        session.warnings = [w for name, text in read if (w := unread(text, name))]
+        return session
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, 16, 16) codes -> (B, 32, 32, 3) grey images in [0, 1] (garment light on dark)."""

@@ -5,7 +5,8 @@ The rule, in order:
 1. The prompt is lower-cased, ``-``/``_``/``/`` become spaces and other punctuation is dropped,
    and runs of spaces collapse (so ``"T-Shirt"``, ``"t shirt"`` and ``"  T_shirt! "`` are alike).
 2. An empty prompt means *no class*: the unconditional (null) context, the one classifier-free
-   guidance uses.
+   guidance uses. A prompt that step 1 reduces to nothing (only punctuation or emoji) is drawn
+   the same way, and the run's summary carries a warning saying so (:func:`unread`).
 3. Otherwise every class name and synonym below is looked for as whole words in the prompt
    (``"a red sneaker on grey"`` finds ``sneaker``). Where two found phrases overlap, the longer
    wins (``"t shirt"`` beats ``"shirt"``).
@@ -16,6 +17,8 @@ The rule, in order:
 from __future__ import annotations
 
 import re
+
+from ...messages import quote
 
 CLASS_NAMES: tuple[str, ...] = (
     "t-shirt", "trouser", "pullover", "dress", "coat",
@@ -42,6 +45,15 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+def unread(prompt: str, input_name: str) -> str | None:
+    """A warning when a non-empty prompt holds nothing the rule reads (so it draws no class)."""
+    if isinstance(prompt, str) and prompt.strip() and not normalise(prompt):
+        return (f"{input_name}={quote(prompt)} has no letters or digits the reference model "
+                "reads, so it was drawn without a class (unconditionally); name one of its "
+                "classes to draw that class.")
+    return None
+
+
 class ClassVocabulary:
     """Maps prompts to class indices with the rule of this module."""
 
@@ -64,7 +76,7 @@ class ClassVocabulary:
     def resolve(self, prompt: str, input_name: str = "prompt") -> int | None:
         """Class index for ``prompt``; None for an empty prompt (unconditional)."""
         if not isinstance(prompt, str):
-            raise ValueError(f"{input_name}={prompt!r} is not allowed: it must be a string naming "
+            raise ValueError(f"{input_name}={quote(prompt)} is not allowed: it must be a string naming "
                              f"one class: {self.accepted()}.")
         text = f" {normalise(prompt)} "
         if not text.strip():
@@ -78,7 +90,7 @@ class ClassVocabulary:
         if len(found) != 1:
             problem = "names no known class" if not found else (
                 "names several classes (" + ", ".join(self.names[i] for i in sorted(found)) + ")")
-            raise ValueError(f"{input_name}={prompt!r} {problem}. The reference model draws one "
+            raise ValueError(f"{input_name}={quote(prompt)} {problem}. The reference model draws one "
                              f"Fashion-MNIST class per image; the prompt must contain exactly one "
                              f"of these names or synonyms: {self.accepted()}.")
         return found.pop()

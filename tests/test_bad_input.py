@@ -1,0 +1,542 @@
+"""Bad inputs and damaged files: every case ends in a clear error, and the next valid call works.
+
+Each row of ``CASES`` is one thing a user can get wrong (a setting, a prompt, a damaged or
+hostile checkpoint file, an edited trace, a mismatched image), the exception type and a pattern
+its message must contain (the input, the value, the file where there is one, what to do), and a
+valid call that must still succeed afterwards, so that no error leaves a half-loaded model or a
+broken session behind. Every message must also stay short: values are quoted to 200 characters,
+so a 100,000-character prompt cannot fill a screen.
+
+Cases that would otherwise allocate without end (huge windows, batches, prompts) must fail
+before any network runs; the prompt cases check that the network was never called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from sjd_core.decoding.engine import generate
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.trace import Trace, summary_text
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.reference import WEIGHTS_DIR
+from sjd_core.models.registry import load_model
+from sjd_core.models.synthetic import SyntheticModel
+from tests.pack import import_pack
+from tests.tiny_checkpoints import cached_copy, write_janus, write_llamagen, write_lumina
+
+torch.set_num_threads(1)
+pack = import_pack()
+from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
+from sjd_pack.nodes.loader import MANAGED  # noqa: E402
+
+Sampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
+Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
+Diagnostics = pack.NODE_CLASS_MAPPINGS["SJDDiagnostics"]
+Decode = pack.NODE_CLASS_MAPPINGS["SJDDecode"]
+
+LONG = "a red fox in the snow " * 4546  # 100,012 characters
+MAX_MESSAGE = 1500  # characters: values are quoted to 200, so no message comes near this
+WRITERS = {"lumina": (write_lumina, "Lumina-mGPT-7B-512"), "janus": (write_janus, "Janus-Pro-1B"),
+           "llamagen": (write_llamagen, "LlamaGen-c2i")}
+GPT, VQ = "c2i_tiny_8.pt", "vq_ds16_c2i.pt"
+
+
+class Bench:
+    """What the cases act on, each made once: models, intact checkpoints, a node run."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.synthetic = SyntheticModel(codebook_size=16, grid=(4, 4), seed=0)
+        self.five_codes = SyntheticModel(codebook_size=5, grid=(2, 3), seed=3)
+        self._folders: dict[str, Path] = {}
+        self._models: dict[str, object] = {}
+        self._run = None
+        self._copies = 0
+
+    def folder(self, family: str) -> Path:
+        """The intact tiny checkpoint of ``family`` (never damaged: cases change copies)."""
+        if family not in self._folders:
+            writer, name = WRITERS[family]
+            self._folders[family] = cached_copy(writer, self.tmp / "intact" / name)
+        return self._folders[family]
+
+    def model(self, family: str):
+        if family not in self._models:
+            self._models[family] = (load_model(WEIGHTS_DIR) if family == "reference"
+                                    else load_model(self.folder(family)))
+        return self._models[family]
+
+    def damaged(self, family: str, change: Callable[[Path], None]) -> Path:
+        """A fresh copy of ``family``'s checkpoint with ``change`` applied to it."""
+        self._copies += 1
+        source = WEIGHTS_DIR if family == "reference" else self.folder(family)
+        copy = self.tmp / f"damaged-{self._copies}" / source.name
+        shutil.copytree(source, copy)
+        change(copy)
+        return copy
+
+    def node_run(self):
+        """(codes, trace, decoded images) of one SJD Sampler run on the synthetic model."""
+        if self._run is None:
+            codes, trace, _ = node_sample(self)
+            (images,) = Decode().decode(codes)
+            self._run = (codes, trace, images)
+        return self._run
+
+
+def node_sample(bench: Bench, **changes):
+    """The SJD Sampler node at its widget defaults (custom mode), with ``changes``."""
+    values = {name: spec[1].get("default", spec[0][0] if isinstance(spec[0], list) else None)
+              for name, spec in Sampler.INPUT_TYPES()["required"].items() if name != "model"}
+    values.update(mode="custom", window=4, prompt="a red fox")
+    values.update(changes)
+    model = LoadedModel(bench.synthetic, None, "synthetic", torch.float32)
+    return Sampler().sample(model, **values, unique_id="1")["result"]
+
+
+# ------------------------------------------------------------------ what the cases do
+def accelerate(**settings) -> Callable[[Bench], object]:
+    return lambda bench: AccelerationSettings(**settings)
+
+
+def sample_with(**settings) -> Callable[[Bench], object]:
+    return lambda bench: SamplingSettings(**settings)
+
+
+def generate_with(batch: int = 1, seed: object = 0, prompt: object = "a red fox",
+                  model: str = "synthetic", **settings) -> Callable[[Bench], object]:
+    def call(bench: Bench):
+        request = GenerationRequest(prompt=prompt, batch_size=batch)
+        return generate(getattr(bench, model), request, SamplingSettings(),
+                        AccelerationSettings(**settings), seed)
+    return call
+
+
+def node_with(**changes) -> Callable[[Bench], object]:
+    return lambda bench: node_sample(bench, **changes)
+
+
+def start(family: str, **request) -> Callable[[Bench], object]:
+    """``model.start`` with ``request``; the network must not have run when it is refused."""
+    def call(bench: Bench):
+        model = bench.model(family)
+        network = getattr(model, "model", None) or model.network
+        calls = []
+        handle = network.register_forward_pre_hook(lambda *args: calls.append(1))
+        try:
+            return model.start(GenerationRequest(**request))
+        finally:
+            handle.remove()
+            assert not calls, "the network ran before the request was refused"
+    return call
+
+
+def load_damaged(family: str, change: Callable[[Path], None], part: str = "") -> Callable[[Bench], object]:
+    """``load_model`` on a damaged copy (``part``: a file of it to load instead of the folder)."""
+    return lambda bench: load_model(bench.damaged(family, change) / part)
+
+
+def write(name: str, data: bytes | str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        (folder / name).write_bytes(data.encode() if isinstance(data, str) else data)
+    return change
+
+
+def truncate(name: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 2])
+    return change
+
+
+def edit_json(name: str, edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        data = json.loads((folder / name).read_text())
+        replaced = edit(data)
+        (folder / name).write_text(json.dumps(data if replaced is None else replaced))
+    return change
+
+
+def first_shard_named(name: str) -> Callable[[Path], None]:
+    def edit(index: dict) -> None:
+        first = next(iter(index["weight_map"]))
+        index["weight_map"][first] = name
+    return edit_json("model.safetensors.index.json", edit)
+
+
+def without_letters(tokenizer: dict) -> None:
+    """A vocabulary that lost its letters and names an unknown token it does not have."""
+    vocab = tokenizer["model"]["vocab"]
+    for token in [t for t in vocab if len(t) == 1 and t.isascii() and t.isalpha()]:
+        del vocab[token]
+    tokenizer["model"]["unk_token"] = "<unk>"
+
+
+def remove(name: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).unlink()
+
+
+def load_path(path: str) -> Callable[[Bench], object]:
+    return lambda bench: load_model(bench.tmp / path if path else bench.tmp / "nothing-here")
+
+
+def empty_folder(bench: Bench):
+    folder = bench.tmp / "empty-model-folder"
+    folder.mkdir(exist_ok=True)
+    return load_model(folder)
+
+
+def loader_node_on_empty_gpt(bench: Bench):
+    folder = bench.damaged("llamagen", write(GPT, b""))
+    with mock.patch.dict(os.environ, {"SJD_MODELS_DIR": str(folder)}):
+        return Loader().load(model=GPT, dtype="auto", placement=MANAGED)
+
+
+def edited_trace(edit: Callable[[dict], None]) -> Callable[[Bench], object]:
+    def call(bench: Bench):
+        body = json.loads(bench.node_run()[1].trace.to_json())
+        edit(body)
+        return Trace.from_json(json.dumps(body))
+    return call
+
+
+def set_meta(**values) -> Callable[[dict], None]:
+    return lambda body: body["meta"].update(values)
+
+
+def set_first_value(name: str, value: object) -> Callable[[dict], None]:
+    def edit(body: dict) -> None:
+        values = body[name]["values"]
+        while isinstance(values[0], list):
+            values = values[0]
+        values[0] = value
+    return edit
+
+
+def diagnose_over(shape: tuple[int, ...], blend: float = 0.5) -> Callable[[Bench], object]:
+    def call(bench: Bench):
+        _, trace, _ = bench.node_run()
+        return Diagnostics().diagnose(trace, blend, image=torch.zeros(shape))
+    return call
+
+
+# ------------------------------------------------------------------ the valid calls after
+def generates(bench: Bench) -> None:
+    result = generate(bench.synthetic, GenerationRequest(prompt="a red fox", batch_size=2),
+                      SamplingSettings(), AccelerationSettings.preset("pac+vp", window=8), seed=1)
+    assert result.codes.shape == (2, 4, 4)
+
+
+def generates_on_five_codes(bench: Bench) -> None:
+    settings = AccelerationSettings(window=4, proactive_drafting=True, pd_candidates=5)
+    result = generate(bench.five_codes, GenerationRequest(prompt="x"), SamplingSettings(),
+                      settings, seed=0)
+    assert result.codes.shape == (1, 2, 3)
+
+
+def node_samples(bench: Bench) -> None:
+    codes, trace, line = node_sample(bench, seed=5)
+    assert codes.codes.shape == (1, 4, 4) and "forward passes" in line
+
+
+def reference_draws(bench: Bench) -> None:
+    result = generate(bench.model("reference"), GenerationRequest(prompt="a bag"),
+                      SamplingSettings(guidance=2.0), AccelerationSettings.preset("pac+vp"), seed=0)
+    assert result.codes.shape == (1, 16, 16) and not result.trace.summary()["warnings"]
+
+
+def starts(family: str, **request) -> Callable[[Bench], None]:
+    def then(bench: Bench) -> None:
+        session = bench.model(family).start(GenerationRequest(**request))
+        assert session.batch_size == request.get("batch_size", 1)
+    return then
+
+
+def loads(family: str) -> Callable[[Bench], None]:
+    def then(bench: Bench) -> None:
+        folder = WEIGHTS_DIR if family == "reference" else bench.folder(family)
+        assert load_model(folder).codebook_size > 0
+    return then
+
+
+def loader_node_loads(bench: Bench) -> None:
+    with mock.patch.dict(os.environ, {"SJD_MODELS_DIR": str(bench.folder("llamagen").parent)}):
+        loaded, info = Loader().load(model=bench.folder("llamagen").name, dtype="auto",
+                                     placement=MANAGED)
+    assert loaded.family == "llamagen" and "family llamagen" in info
+
+
+def trace_reads(bench: Bench) -> None:
+    trace = bench.node_run()[1].trace
+    assert Trace.from_json(trace.to_json()).summary()["slots_per_image"] == 16
+
+
+def diagnoses(bench: Bench) -> None:
+    _, trace, images = bench.node_run()
+    enlarged = images.repeat_interleave(2, 1).repeat_interleave(2, 2)  # 2 px per code: fits
+    for image in (images, enlarged):
+        text = Diagnostics().diagnose(trace, 0.5, image=image)["result"][4]
+        assert "step compression" in text
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    call: Callable[[Bench], object]
+    error: type[BaseException]
+    message: str  # a regular expression the message must contain
+    then: Callable[[Bench], None]  # a valid call that must work afterwards
+
+
+CASES = [
+    # --------------------------------------------------------- settings: limits in the core
+    Case("window 10**6", accelerate(window=10**6), ValueError,
+         r"window=1000000 is not allowed: window must be an integer in \[1, 256\]", generates),
+    Case("pd_candidates 10**6", accelerate(pd_candidates=10**6), ValueError,
+         r"pd_candidates=1000000 is not allowed: .* in \[1, 16\]", generates),
+    Case("pd_depth 10**6", accelerate(pd_depth=10**6), ValueError,
+         r"pd_depth=1000000 is not allowed: .* in \[1, 16\]", generates),
+    Case("tree of 16 x 16", accelerate(window=16, proactive_drafting=True, pd_candidates=16,
+                                       pd_depth=16), ValueError,
+         r"pd_depth=16 .* at most 1024 nodes: .* would feed 1,229,782,938,247,303,441; lower",
+         generates),
+    Case("window as text", accelerate(window="16"), ValueError,
+         r"window='16' is not allowed: window must be an integer", generates),
+    Case("window as a bool", accelerate(window=True), ValueError,
+         r"window=True is not allowed: window must be an integer", generates),
+    Case("AC switch as text", accelerate(adaptive_continuation="false"), ValueError,
+         r"adaptive_continuation='false' is not allowed: .* must be True or False", generates),
+    Case("init of 100,000 characters", accelerate(init="x" * 100_000), ValueError,
+         r"init='x{20,200}\.\.\. \(100,000 characters\) is not allowed: init must be one of",
+         generates),
+    Case("vp_decay 1", accelerate(vp_decay=1.0), ValueError, r"vp_decay=1.0 .* in \[0, 1\)",
+         generates),
+    Case("relaxed without a window", accelerate(window=1, relaxed="lantern"), ValueError,
+         r"relaxed='lantern' .* 'none' when window=1 .* raise window", generates),
+    Case("temperature 0", sample_with(temperature=0.0), ValueError,
+         r"temperature=0.0 .* > 0 \(for greedy decoding set top_k=1\)", generates),
+    Case("top_p 0", sample_with(top_p=0.0), ValueError, r"top_p=0.0 .* in \(0, 1\]", generates),
+    Case("top_k 2.5", sample_with(top_k=2.5), ValueError, r"top_k=2.5 .* an integer >= 0",
+         generates),
+    Case("guidance NaN", sample_with(guidance=float("nan")), ValueError,
+         r"guidance=nan .* a finite number", generates),
+    # --------------------------------------------------------- generate()
+    Case("batch_size 10**9", generate_with(batch=10**9), ValueError,
+         r"batch_size=1000000000 is not allowed: .* it would take about [\d,.]+ GiB \(16 nodes "
+         r"and a window of 16 over 16 codes per image\), and [\d,.]+ GiB are free; draw fewer",
+         generates),
+    Case("batch_size 0", generate_with(batch=0), ValueError,
+         r"batch_size=0 is not allowed: batch_size must be an integer >= 1", generates),
+    Case("pd_candidates above the codebook",
+         generate_with(model="five_codes", window=4, proactive_drafting=True, pd_candidates=8),
+         ValueError, r"pd_candidates=8 .* at most the model's codebook size \(5\)",
+         generates_on_five_codes),
+    Case("seed -1", generate_with(seed=-1), ValueError, r"seed=-1 .* \[0, 2\*\*63 - 65536\)",
+         generates),
+    Case("seed 2**64", generate_with(seed=2**64), ValueError,
+         r"seed=18446744073709551616 is not allowed", generates),
+    Case("seed 1.5", generate_with(seed=1.5), ValueError, r"seed=1.5 is not allowed", generates),
+    Case("prompt None", generate_with(prompt=None), ValueError,
+         r"prompt=None is not allowed: prompt must be a string", generates),
+    # --------------------------------------------------------- the sampler node
+    Case("node: window 10**6", node_with(window=10**6), ValueError,
+         r"SJD Sampler[^:]*: mode=custom: window=1000000 is not allowed", node_samples),
+    Case("node: batch_size 10**9", node_with(batch_size=10**9), ValueError,
+         r"SJD Sampler[^:]*: batch_size=1000000000 is not allowed: .* GiB are free", node_samples),
+    Case("node: pd_candidates 10**6", node_with(pd_candidates=10**6), ValueError,
+         r"SJD Sampler[^:]*: mode=custom: pd_candidates=1000000 is not allowed", node_samples),
+    # --------------------------------------------------------- prompts
+    Case("reference: 100,000 characters, no class", start("reference", prompt="x" * 100_000),
+         ValueError, r"prompt='x{100,200}\.\.\. \(100,000 characters\) names no known class",
+         reference_draws),
+    Case("reference: two classes", start("reference", prompt="a bag and a coat"), ValueError,
+         r"prompt='a bag and a coat' names several classes \(coat, bag\)", reference_draws),
+    Case("reference: resolution", start("reference", prompt="bag", resolution=(64, 64)),
+         ValueError, r"resolution=\(64, 64\) is not allowed: .* only 32x32", reference_draws),
+    Case("lumina: 100,000-character prompt", start("lumina", prompt=LONG), ValueError,
+         r"prompt is [\d,]+ tokens long with lumina-mgpt's prompt template; at most [\d,]+ fit .* "
+         r"shorten the prompt", starts("lumina", prompt="a red fox")),
+    Case("lumina: 100,000-character negative prompt",
+         start("lumina", prompt="a red fox", negative_prompt=LONG, guidance=3.0), ValueError,
+         r"negative_prompt is [\d,]+ tokens long .* shorten the negative_prompt",
+         starts("lumina", prompt="a red fox", guidance=3.0)),
+    Case("lumina: prompts that are not text",
+         start("lumina", prompt="", batch_size=2, extra={"prompts": [1, 2]}), ValueError,
+         r"extra\['prompts'\]=\[1, 2\] is not allowed: it must be a list of 2 strings",
+         starts("lumina", prompt="", batch_size=2, extra={"prompts": ["a", "b"]})),
+    Case("janus: 100,000-character prompt", start("janus", prompt=LONG), ValueError,
+         r"prompt is [\d,]+ tokens long with Janus-Pro's prompt template; at most 1,024 fit "
+         r"\(Janus-Pro's context is 256 positions and the image takes 16 at this resolution; a "
+         r"prompt may always have 1,024\): shorten the prompt",
+         starts("janus", prompt="a red fox")),
+    Case("llamagen: class index of 5,000 digits", start("llamagen", prompt="9" * 5000), ValueError,
+         r"class index '9{100,200}\.\.\. \(5,000 characters\) is out of range: .* classes 0\.\.9",
+         starts("llamagen", prompt="3")),
+    Case("llamagen: 100,000-character class name", start("llamagen", prompt=LONG), ValueError,
+         r"prompt='a red fox .*\.\.\. \(100,012 characters\) is not a class index 0\.\.9 nor a "
+         r"class name listed in .*imagenet_classes.txt", starts("llamagen", prompt="goldfish")),
+    # --------------------------------------------------------- damaged or hostile checkpoints
+    Case("missing path", load_path("no/such/model"), FileNotFoundError,
+         r"Model path '.*no/such/model' does not exist", loads("janus")),
+    Case("empty folder", empty_folder, ValueError,
+         r"empty-model-folder' is not a checkpoint of a known model family. Known families",
+         loads("janus")),
+    Case("llamagen: 0-byte GPT .pt", load_damaged("llamagen", write(GPT, b""), GPT), ValueError,
+         r"LlamaGen weights file '.*c2i_tiny_8.pt' is empty \(0 bytes\): .* download it again",
+         loads("llamagen")),
+    Case("llamagen: 0-byte VQ .pt", load_damaged("llamagen", write(VQ, b"")), ValueError,
+         r"weights file '.*vq_ds16_c2i.pt' is empty \(0 bytes\)", loads("llamagen")),
+    Case("llamagen: truncated GPT .pt", load_damaged("llamagen", truncate(GPT)), ValueError,
+         r"'.*c2i_tiny_8.pt' cannot be read as a PyTorch checkpoint \(.*\): it is truncated or "
+         r"damaged; download it again", loads("llamagen")),
+    Case("llamagen: GPT .pt of random bytes", load_damaged("llamagen", write(GPT, os.urandom(4096))),
+         ValueError, r"'.*c2i_tiny_8.pt' cannot be read as a PyTorch checkpoint", loads("llamagen")),
+    Case("llamagen: llamagen.json not JSON", load_damaged("llamagen", write("llamagen.json", "{n_head")),
+         ValueError, r"'.*llamagen.json' is not valid JSON \(.*\): .* download it again",
+         loads("llamagen")),
+    Case("loader node: 0-byte GPT .pt", loader_node_on_empty_gpt, ValueError,
+         r"SJD Model Loader: model='c2i_tiny_8.pt' \(.*\): LlamaGen weights file .* is empty",
+         loader_node_loads),
+    Case("janus: config.json not JSON", load_damaged("janus", write("config.json", "{\"model_type")),
+         ValueError, r"'.*Janus-Pro-1B/config.json' is not valid JSON \(.*\): the file is damaged",
+         loads("janus")),
+    Case("lumina: config.json of binary bytes",
+         load_damaged("lumina", write("config.json", bytes(range(256)))), ValueError,
+         r"'.*Lumina-mGPT-7B-512/config.json' is not valid JSON", loads("lumina")),
+    Case("janus: config field of the wrong type",
+         load_damaged("janus", edit_json("config.json",
+                                         lambda c: c["text_config"].update(hidden_size="big"))),
+         ValueError, r"Janus-Pro checkpoint: '.*config.json' is not a valid JanusConfig \(.*"
+         r"hidden_size.*'big'.*\); fix the field", loads("janus")),
+    Case("lumina: config field of the wrong type",
+         load_damaged("lumina", edit_json("config.json", lambda c: c.update(num_hidden_layers=2.5))),
+         ValueError, r"lumina-mgpt checkpoint: '.*config.json' is not a valid ChameleonConfig "
+         r"\(.*num_hidden_layers", loads("lumina")),
+    Case("janus: truncated tokenizer.json", load_damaged("janus", truncate("tokenizer.json")),
+         ValueError, r"Janus-Pro tokenizer: '.*tokenizer.json' is not valid JSON", loads("janus")),
+    Case("janus: tokenizer without its letters",
+         load_damaged("janus", edit_json("tokenizer.json", without_letters)), ValueError,
+         r"Janus-Pro tokenizer in '.*' \(tokenizer.json, tokenizer_config.json\) loads but cannot "
+         r"encode text \(Unk token `<unk>` not found.*\): its vocabulary is damaged",
+         loads("janus")),
+    Case("lumina: shard name outside the folder",
+         load_damaged("lumina", first_shard_named("../outside.safetensors")), ValueError,
+         r"model.safetensors.index.json names the shard '../outside.safetensors', which is not a "
+         r"file inside", loads("lumina")),
+    Case("lumina: absolute shard name", load_damaged("lumina", first_shard_named("/etc/passwd")),
+         ValueError, r"names the shard '/etc/passwd', which is not a file inside", loads("lumina")),
+    Case("lumina: weight_map is a list",
+         load_damaged("lumina", edit_json("model.safetensors.index.json",
+                                          lambda index: index.update(weight_map=["a"]))),
+         ValueError, r"'weight_map' must map tensor names to shard file names, got \['a'\]",
+         loads("lumina")),
+    Case("lumina: missing shard", load_damaged("lumina", remove("model-00002-of-00003.safetensors")),
+         FileNotFoundError, r"Weight shard 'model-00002-of-00003.safetensors' listed in "
+         r"model.safetensors.index.json is missing .* download it again", loads("lumina")),
+    Case("lumina: truncated shard", load_damaged("lumina", truncate("model-00001-of-00003.safetensors")),
+         ValueError, r"Weight file '.*model-00001-of-00003.safetensors' is damaged or truncated",
+         loads("lumina")),
+    Case("reference: reference.json not JSON",
+         load_damaged("reference", write("reference.json", "{\"family\": \"refer")), ValueError,
+         r"'.*weights/reference.json' is not valid JSON", loads("reference")),
+    # --------------------------------------------------------- traces
+    Case("trace: 2x8 meta over 4x4 arrays", edited_trace(set_meta(grid=[2, 8])), ValueError,
+         r"array 'commit_iteration' has shape \(1, 4, 4\), but the meta \(grid 2x8, batch 1\)",
+         trace_reads),
+    Case("trace: batch 2 in the meta", edited_trace(set_meta(batch=2)), ValueError,
+         r"array 'committed_per_iteration' has shape \(\d+, 1\), but the meta", trace_reads),
+    Case("trace: version 1", edited_trace(set_meta(trace_version=1)), ValueError,
+         r"trace_version=1 is not supported: this pack reads trace version 2; run the sampler",
+         trace_reads),
+    Case("trace: unknown commit kind", edited_trace(set_first_value("commit_kind", 9)), ValueError,
+         r"commit_kind holds values in \[\d, 9\], outside \[0, 5\]: the trace was edited or is "
+         r"damaged; run the sampler again", trace_reads),
+    Case("trace: slots committed twice",
+         edited_trace(set_first_value("committed_per_iteration", 99)), ValueError,
+         r"committed_per_iteration sums to \[\d+\] slots per image, not 16", trace_reads),
+    Case("trace: not JSON", lambda bench: Trace.from_json("{\"meta\": "), ValueError,
+         r"trace: the text is not JSON", trace_reads),
+    # --------------------------------------------------------- diagnostics
+    Case("diagnostics: 6x6 px image over 4x4 codes", diagnose_over((1, 6, 6, 3)), ValueError,
+         r"image \(1 image\(s\) of 6x6 px\) does not belong to this trace \(1 image\(s\) of "
+         r"4x4 codes, drawn at 4x4 px", diagnoses),
+    Case("diagnostics: other aspect ratio", diagnose_over((1, 4, 8, 3)), ValueError,
+         r"image \(1 image\(s\) of 8x4 px\) does not belong", diagnoses),
+    Case("diagnostics: two images for one", diagnose_over((2, 4, 4, 3)), ValueError,
+         r"image \(2 image\(s\) of 4x4 px\) does not belong", diagnoses),
+    Case("diagnostics: blend 2", diagnose_over((1, 4, 4, 3), blend=2.0), ValueError,
+         r"blend=2.0 is not allowed: it must lie in \[0, 1\]", diagnoses),
+]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> Bench:
+    return Bench(tmp_path_factory.mktemp("bad-input"))
+
+
+def test_the_table_covers_at_least_40_cases():
+    assert len(CASES) >= 40 and len({case.name for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_gives_a_clear_error_and_the_next_call_works(bench, case):
+    with pytest.raises(case.error) as raised:
+        case.call(bench)
+    message = str(raised.value)
+    assert type(raised.value) is case.error, f"{type(raised.value).__name__}: {message}"
+    assert re.search(case.message, message, re.DOTALL), message
+    assert len(message) < MAX_MESSAGE, f"{len(message)} characters"
+    case.then(bench)
+
+
+# ------------------------------------------------------------------ prompts read as nothing
+@pytest.mark.parametrize("prompt", ["!!!", "\U0001f98a\U0001f98a", " ... "])
+def test_a_prompt_reduced_to_nothing_draws_unconditionally_and_says_so(bench, prompt):
+    reference = bench.model("reference")
+    settings, sampling = AccelerationSettings.preset("sjd"), SamplingSettings(guidance=2.0)
+    unread = generate(reference, GenerationRequest(prompt=prompt), sampling, settings, seed=3)
+    empty = generate(reference, GenerationRequest(prompt=""), sampling, settings, seed=3)
+    assert torch.equal(unread.codes, empty.codes)  # the unconditional context, as the rule says
+    line = summary_text(unread.trace.summary())
+    assert f"WARNING: prompt={prompt!r} has no letters or digits the reference model reads" in line
+    assert "unconditionally" in line
+    assert not empty.trace.summary()["warnings"]  # an empty prompt asks for exactly that
+    restored = Trace.from_json(unread.trace.to_json())
+    assert restored.summary()["warnings"] == unread.trace.summary()["warnings"]
+
+
+
+@pytest.mark.parametrize("error", [
+    lambda: __import__("safetensors").SafetensorError("Error while deserializing header"),
+    lambda: __import__("huggingface_hub").errors.HFValidationError("Repo id must be in the form"),
+])
+def test_library_errors_while_building_name_the_family_and_the_checkpoint(bench, monkeypatch, error):
+    """A library's own exception raised while a family builds becomes a ValueError with the
+    family and the path; the loader works again afterwards."""
+    from sjd_core.models import registry
+
+    def failing(path, **options):
+        raise error()
+
+    families = tuple(replace(f, build=failing) if f.name == "janus" else f
+                     for f in registry.FAMILIES)
+    monkeypatch.setattr(registry, "FAMILIES", families)
+    with pytest.raises(ValueError) as raised:
+        load_model(bench.folder("janus"))
+    message = str(raised.value)
+    assert re.search(r"janus checkpoint '.*Janus-Pro-1B' could not be loaded: \w+ from "
+                     r"(safetensors|huggingface_hub)\S* \(.+\); check that every file", message)
+    assert type(raised.value.__cause__).__module__.split(".")[0] in registry.LIBRARIES
+    monkeypatch.undo()
+    loads("janus")(bench)
