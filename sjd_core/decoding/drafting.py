@@ -126,6 +126,7 @@ class WindowState:
     tokens: torch.Tensor  # (B, W) first-candidate draft per offset
     q: torch.Tensor  # (B, W, V) what each draft was drawn from
     source: torch.Tensor  # (B, W) int8, how each draft was made (DRAFT_SOURCES)
+    fed: torch.Tensor  # (B, W) bool, whether the slot has had a target (its draft is not an init)
     vp_mean: torch.Tensor | None = None  # (B, W, V) exponentially weighted past distributions
     vp_last: torch.Tensor | None = None  # (B, W, V) last iteration's distribution
     vp_rises: torch.Tensor | None = None  # (B, W, V) consecutive rises per code
@@ -140,13 +141,14 @@ class WindowState:
                     torch.zeros(batch, window, dtype=torch.bool, device=device))
                    if verification_prediction else ())
         return WindowState(torch.zeros(batch, window, dtype=torch.long, device=device), zeros,
-                           torch.zeros(batch, window, dtype=torch.int8, device=device), *history)
+                           torch.zeros(batch, window, dtype=torch.int8, device=device),
+                           torch.zeros(batch, window, dtype=torch.bool, device=device), *history)
 
     def rows(self, index: torch.Tensor) -> "WindowState":
         """The state of the batch rows ``index`` only."""
         return WindowState(*(None if x is None else x[index] for x in
-                             (self.tokens, self.q, self.source, self.vp_mean, self.vp_last,
-                              self.vp_rises, self.vp_known)))
+                             (self.tokens, self.q, self.source, self.fed, self.vp_mean,
+                              self.vp_last, self.vp_rises, self.vp_known)))
 
 
 @dataclass
@@ -169,7 +171,8 @@ class Canvas:
 
 def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
                    uniforms: torch.Tensor) -> None:
-    """Draft the slots entering the window (``fill`` (B, W) True) by the init rule, in place.
+    """Draft the slots about to be fed for the first time (``fill`` (B, W) True) by the init
+    rule, in place: made just before their first forward, they use all that is committed.
 
     Every rule is a proposal fixed before verification, and the slot's q is what its draft was
     drawn from, so the acceptance test stays exact:
@@ -282,7 +285,7 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
     fused = flush_negligible(torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1))
     decay = settings.vp_decay
-    history = WindowState(state.tokens, state.q, state.source,
+    history = WindowState(state.tokens, state.q, state.source, state.fed,
                           decay * mean + (1 - decay) * targets, targets, rises,
                           torch.ones_like(known))
     return fused, history
@@ -304,8 +307,9 @@ def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, 
         return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
 
     known = None if state.vp_known is None else take(state.vp_known) & in_range
-    return WindowState(take(state.tokens), take(state.q), take(state.source), take(state.vp_mean),
-                       take(state.vp_last), take(state.vp_rises), known), in_range
+    return WindowState(take(state.tokens), take(state.q), take(state.source),
+                       take(state.fed) & in_range, take(state.vp_mean), take(state.vp_last),
+                       take(state.vp_rises), known), in_range
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
@@ -338,6 +342,7 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     state.tokens = torch.where(has_target, tokens, state.tokens)
     state.q = torch.where(has_target[..., None], draw_from, state.q)
     state.source = torch.where(has_target, source, state.source).to(torch.int8)
+    state.fed = state.fed | has_target
     if settings.verification_prediction:
         state.vp_known = state.vp_known & has_target
     return state

@@ -136,10 +136,12 @@ class _Decoder:
         if self.state is None:
             self.state = WindowState.empty(batch, window, vocab, self.device,
                                            settings.verification_prediction)
-            self._initial_drafts(torch.ones(batch, window, dtype=torch.bool, device=self.device),
-                                 self.random.uniform(window))
         tests, draws = tree.size * tree.branching, 1 + 3 * window
         uniforms = self.random.uniform(tests + draws + tree.tree_levels * vocab)
+        draws_at = tests + 1
+        fed_now = torch.arange(window, device=self.device) < tree.window
+        self._initial_drafts(~self.state.fed & fed_now,
+                             uniforms[:, draws_at + 2 * window:draws_at + 3 * window])
         node_tokens, node_valid, node_source = add_candidates(
             self.state, tree, exponential(uniforms[:, tests + draws:]).view(batch, -1, vocab)
             if tree.tree_levels else None)
@@ -177,15 +179,13 @@ class _Decoder:
 
         self.committed = self.committed + count
         self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
-        shifted, kept = shift_window(self.state, count)
+        shifted, _ = shift_window(self.state, count)
         new_offsets = torch.arange(window, device=self.device) + count[:, None]
         has_target = new_offsets < fed
         stale = along_path.gather(1, new_offsets.clamp_max(fed - 1)[..., None]
                                   .expand(-1, -1, vocab))
-        draws_at = tests + 1
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].view(batch, 2, window))
-        self._initial_drafts(~kept, uniforms[:, draws_at + 2 * window:draws_at + 3 * window])
         previous, self.done = self.done, self.committed.tolist()
         return [now - before for before, now in zip(previous, self.done)]
 
@@ -292,7 +292,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
         accepted = (decoder.autoregressive_step() if tree.window == 1
                     else decoder.speculative_step(tree))
         decoder.recorder.clock.mark()
-        plan.observe(tree, accepted, warm)
+        plan.observe(tree, decoder.rows, accepted, warm)
         shape = describe_shape(tree)
         decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1
