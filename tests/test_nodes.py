@@ -425,8 +425,9 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
 TEXT_TO_IMAGE = "SJD text to image (reference)"
 AR_VS_PAC_VP = "SJD AR vs PAC+VP (reference)"
-FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Emu3 text to image",
-                    "SJD Janus-Pro text to image", "SJD LlamaGen class to image")
+FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Lumina-mGPT 2.0 text to image",
+                    "SJD Emu3 text to image", "SJD Janus-Pro text to image",
+                    "SJD LlamaGen class to image")
 UNSAFE_IN_FILE_NAMES = set('<>:"/\\|?*#%&')
 
 
