@@ -159,6 +159,22 @@ def test_a_bad_value_fails_with_the_packs_message(server, object_info):
     assert "sneaker" in error["exception_message"]  # names what the model can draw
 
 
+def test_every_family_size_passes_comfyuis_check_and_the_model_decides(server, object_info):
+    choices = object_info["SJDSamplerV2"]["input"]["required"]["resolution"][0]
+    assert "1024x256" in choices and "832x624" in choices  # Lumina-mGPT and Emu3 sizes
+    prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
+    sampler = nodes_of(prompt, "SJDSamplerV2")[0]
+    prompt[sampler]["inputs"]["resolution"] = "1024x256"
+    with Listener(server) as listener:
+        entry = server.wait(server.queue(prompt))  # queued: ComfyUI's list check let it through
+    assert entry["status"]["status_str"] == "error"
+    (error,) = listener.of("execution_error")
+    assert error["node_id"] == sampler
+    assert error["exception_message"].startswith(
+        "SJD Sampler: resolution=1024x256 is not supported by the reference model")
+    assert "pick one of 32x32" in error["exception_message"]
+
+
 def test_interrupt_mid_run_then_next_prompt_runs(server, object_info):
     prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
     sampler = nodes_of(prompt, "SJDSamplerV2")[0]
