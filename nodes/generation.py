@@ -52,13 +52,6 @@ def parse_resolution(value: str, node: str) -> tuple[int, int] | None:
     return width, height
 
 
-def family_sampling(model: LoadedModel) -> SamplingSettings:
-    """The loaded family's own sampling recipe (guidance, temperature, top-k, top-p)."""
-    d = model.model.defaults
-    return SamplingSettings(guidance=d.guidance, temperature=d.temperature, top_k=d.top_k,
-                            top_p=d.top_p)
-
-
 def downsampled(values: list[float], points: int = CHART_POINTS) -> list[float]:
     """At most ``points`` values: consecutive runs of ``values`` replaced by their means."""
     if len(values) <= points:

@@ -224,12 +224,12 @@ from test_nodes import Loader, REFERENCE, sample
 loaded, _ = Loader().load(REFERENCE, "auto")
 assert isinstance(loaded.patcher, comfy.model_patcher.ModelPatcher), type(loaded.patcher)
 assert loaded.patcher.model_size() > 1_000_000  # ComfyUI measures the network's weights
-codes, _, _ = sample(loaded, prompt="bag", seed=2)
+codes, _, _ = sample(loaded, prompt="bag", seed=2, mode="PAC+VP")  # a mode that repeats a seed
 managed = [m.model for m in mm.current_loaded_models]
 assert any(m is loaded.patcher for m in managed), managed
 mm.unload_all_models()  # what ComfyUI's "unload models" does
 assert not mm.current_loaded_models
-again, _, _ = sample(loaded, prompt="bag", seed=2)
+again, _, _ = sample(loaded, prompt="bag", seed=2, mode="PAC+VP")
 assert (again.codes == codes.codes).all()
 assert any(m.model is loaded.patcher for m in mm.current_loaded_models)
 print("managed by ComfyUI")
