@@ -16,17 +16,17 @@ from ..sjd_core.decoding.engine import IterationReport, generate
 from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from ..sjd_core.decoding.trace import summary_text
 from ..sjd_core.models.protocol import GenerationRequest
+from ..sjd_core.models.registry import offered_resolutions
 from . import comfy_bridge
 from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
 
 PROGRESS_EVENT = "sjd.progress"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews
 CHART_POINTS = 240  # the most values of the accepted-per-step series sent to the browser
-# Sizes the families draw (reference; LlamaGen; Janus-Pro; Lumina-mGPT and Anole; Emu3 at its
-# default 720x720 area in its seven aspect ratios). The loaded model decides at run time and names
-# its own list when a size is not among them.
-RESOLUTIONS = ("default", "32x32", "256x256", "384x384", "512x512", "768x768", "1024x1024",
-               "720x720", "832x624", "624x832", "960x544", "544x960", "880x584", "584x880")
+# Every size a released checkpoint of any family draws, so that ComfyUI accepts each of them; the
+# browser narrows the list to the connected model's sizes, and the loaded model decides at run
+# time (naming its own list when a size is not among them).
+RESOLUTIONS = ("default", *(f"{width}x{height}" for width, height in offered_resolutions()))
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,6 @@ def parse_resolution(value: str, node: str) -> tuple[int, int] | None:
         raise ValueError(f"{node}: resolution={value!r} is not allowed: write WIDTHxHEIGHT in "
                          "pixels (e.g. 768x768) or 'default'.") from None
     return width, height
-
-
-def family_sampling(model: LoadedModel) -> SamplingSettings:
-    """The loaded family's own sampling recipe (guidance, temperature, top-k, top-p)."""
-    d = model.model.defaults
-    return SamplingSettings(guidance=d.guidance, temperature=d.temperature, top_k=d.top_k,
-                            top_p=d.top_p)
 
 
 def downsampled(values: list[float], points: int = CHART_POINTS) -> list[float]:

@@ -3,7 +3,8 @@
 ``SJD_MODEL`` carries a loaded model, ``SJD_CODES`` the code grids of one sampler run (and the
 model that can decode them), ``SJD_TRACE`` the trace of one run with what was asked for, so that a
 node receiving two of them can tell whether they belong together. ``SJD_ACCELERATION`` carries the
-options of an SJD Acceleration Options node, ``SJD_SAMPLING`` a validated ``SamplingSettings``.
+options of an SJD Acceleration Options node, ``SJD_SAMPLING`` the choice of an SJD Sampling
+Options node: a recipe of the loaded model by name, or validated custom ``SamplingSettings``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from ..sjd_core.models.protocol import ImageTokenModel
-from ..sjd_core.decoding.settings import AccelerationSettings
+from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from ..sjd_core.decoding.trace import Trace
 
 MODEL_TYPE = "SJD_MODEL"
@@ -22,6 +23,8 @@ CODES_TYPE = "SJD_CODES"
 TRACE_TYPE = "SJD_TRACE"
 ACCELERATION_TYPE = "SJD_ACCELERATION"
 SAMPLING_TYPE = "SJD_SAMPLING"
+FAMILY_RECIPE = "family recipe"  # the loaded model's first (default) official recipe
+CUSTOM = "custom"  # the Sampling Options node's own four numbers
 
 
 @dataclass
@@ -90,11 +93,43 @@ class AccelerationOptions:
 
     overrides: dict[str, Any] = field(default_factory=dict)
 
-    def settings(self, preset: str, window: int) -> AccelerationSettings:
-        """The preset with ``window`` (unless the preset is plain autoregression) and these
-        overrides; ValueError from the settings when they contradict each other."""
+    def settings(self, preset: str, window: int | None) -> AccelerationSettings:
+        """The preset with ``window`` (unless the preset is plain autoregression; None keeps the
+        preset's own) and these overrides; ValueError from the settings when they contradict
+        each other."""
         base = AccelerationSettings.preset(preset)
         chosen = dict(self.overrides)
-        if base.window > 1:
+        if base.window > 1 and window is not None:
             chosen["window"] = window
         return AccelerationSettings.preset(preset, **chosen)
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """Which sampling settings a run uses: ``FAMILY_RECIPE``, the name of one of the loaded
+    model's official recipes, or ``CUSTOM`` with the ``custom`` settings."""
+
+    recipe: str = FAMILY_RECIPE
+    custom: SamplingSettings | None = None
+
+    def __post_init__(self) -> None:
+        if (self.recipe == CUSTOM) != (self.custom is not None):
+            raise ValueError(f"recipe={self.recipe!r}: custom settings go with recipe "
+                             f"'{CUSTOM}' and only with it.")
+
+    def settings(self, loaded: LoadedModel) -> SamplingSettings:
+        """The settings for the loaded model; ValueError naming the model's recipes when it has
+        no recipe of that name."""
+        if self.custom is not None:
+            return self.custom
+        recipes = loaded.model.recipes
+        name = next(iter(recipes)) if self.recipe == FAMILY_RECIPE else self.recipe
+        if name not in recipes:
+            listing = ", ".join(repr(known) for known in recipes)
+            raise ValueError(f"recipe={self.recipe!r} is not a recipe of the {loaded.family} "
+                             f"model '{loaded.name}': its recipes are {listing}. Pick one of "
+                             f"them, '{FAMILY_RECIPE}' (its first) or '{CUSTOM}' on SJD "
+                             "Sampling Options.")
+        chosen = recipes[name]
+        return SamplingSettings(guidance=chosen.guidance, temperature=chosen.temperature,
+                                top_k=chosen.top_k, top_p=chosen.top_p)

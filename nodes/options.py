@@ -7,9 +7,11 @@ Their widgets are made from the fields of ``AccelerationSettings`` and ``Samplin
 from __future__ import annotations
 
 from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
-from .handles import ACCELERATION_TYPE, SAMPLING_TYPE, AccelerationOptions
+from ..sjd_core.models.registry import offered_recipes
+from .handles import (ACCELERATION_TYPE, CUSTOM, FAMILY_RECIPE, SAMPLING_TYPE,
+                      AccelerationOptions, SamplingChoice)
 from .widgets import (AS_MODE, SWITCH_VALUES, acceleration_option_fields, field_widget,
-                      sampling_fields, switches)
+                      sampling_fields, setting_value, switches)
 
 ACCELERATION_NODE = "SJD Acceleration Options"
 SAMPLING_NODE = "SJD Sampling Options"
@@ -20,9 +22,10 @@ class SJDAccelerationOptions:
 
     DESCRIPTION = ("The finer settings of speculative decoding for an SJD Sampler: how guesses "
                    "start, adaptive continuation (AC), proactive drafting (PD: K candidates, "
-                   "depth D), verification prediction (VP: N rises, top-k, decay) and the LOSSY "
-                   "relaxed acceptance rules LANTERN and GSD with their knobs. AC, PD and VP "
-                   "left 'as mode' follow the sampler's mode.")
+                   "depth D), verification prediction (VP: N rises, top-k, decay), the LOSSY "
+                   "relaxed acceptance rules LANTERN and GSD with their knobs, and the "
+                   "cost-aware shape choice of AUTO (adaptive_shape). Switches left 'as mode' "
+                   "follow the sampler's mode.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "options"
     RETURN_TYPES = (ACCELERATION_TYPE,)
@@ -37,17 +40,26 @@ class SJDAccelerationOptions:
     def options(self, **widgets: object) -> tuple[AccelerationOptions]:
         """Keep every setting; a switch left 'as mode' is left out for the preset to decide."""
         switch_names = switches()
-        overrides = {name: SWITCH_VALUES.get(value, value) if name in switch_names else value
+        overrides = {name: SWITCH_VALUES.get(value, value) if name in switch_names
+                     else setting_value(AccelerationSettings, name, value)
                      for name, value in widgets.items() if value != AS_MODE}
         return (AccelerationOptions(overrides),)
 
 
-class SJDSamplingOptions:
-    """Guidance, temperature, top-k and top-p, replacing the model family's recipe."""
+def recipe_choices() -> list[str]:
+    """The recipe combo: the family's first recipe, every named official recipe, custom."""
+    return [FAMILY_RECIPE, *offered_recipes(), CUSTOM]
 
-    DESCRIPTION = ("Sampling settings for an SJD Sampler instead of the model family's official "
-                   "recipe: classifier-free guidance, temperature, top-k and top-p. They define "
-                   "the distribution every mode draws from; acceleration never changes it.")
+
+class SJDSamplingOptions:
+    """Another official recipe of the loaded model by name, or custom guidance, temperature,
+    top-k and top-p, in place of the family's first recipe."""
+
+    DESCRIPTION = ("Sampling settings for an SJD Sampler instead of the model family's first "
+                   "official recipe: another official recipe by name (the Loader's info lists "
+                   "the model's recipes and their sources), or your own classifier-free "
+                   "guidance, temperature, top-k and top-p. They define the distribution every "
+                   "mode draws from; acceleration never changes it.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "options"
     RETURN_TYPES = (SAMPLING_TYPE,)
@@ -56,12 +68,21 @@ class SJDSamplingOptions:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
-        return {"required": {name: field_widget(SamplingSettings, name)
-                             for name in sampling_fields()}}
+        recipe = (recipe_choices(), {
+            "default": CUSTOM,
+            "tooltip": f"'{CUSTOM}': the four numbers below. '{FAMILY_RECIPE}': the loaded "
+                       "model's first official recipe. A name: that official recipe of the "
+                       "loaded model (the Loader's info lists the model's recipes and where each "
+                       "comes from); a name the model does not have stops with its list."})
+        return {"required": {"recipe": recipe} | {name: field_widget(SamplingSettings, name)
+                                                  for name in sampling_fields()}}
 
-    def options(self, **widgets: object) -> tuple[SamplingSettings]:
-        """Validated here, so a bad value is reported on this node."""
+    def options(self, recipe: str = CUSTOM, **widgets: object) -> tuple[SamplingChoice]:
+        """Custom numbers are validated here, so a bad value is reported on this node; a recipe
+        name is looked up in the loaded model by the sampler."""
+        if recipe != CUSTOM:
+            return (SamplingChoice(recipe),)
         try:
-            return (SamplingSettings(**widgets),)
+            return (SamplingChoice(CUSTOM, SamplingSettings(**widgets)),)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{SAMPLING_NODE}: {error}") from error

@@ -7,18 +7,26 @@ Acceleration Options and SJD Sampling Options nodes as objects.
 
 from __future__ import annotations
 
-from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
-from .generation import RESOLUTIONS, Prompting, family_sampling, run_sampler
+from ..sjd_core.decoding.settings import AccelerationSettings
+from .generation import RESOLUTIONS, Prompting, run_sampler
 from .handles import (ACCELERATION_TYPE, CODES_TYPE, MODEL_TYPE, SAMPLING_TYPE, TRACE_TYPE,
-                      AccelerationOptions, LoadedModel)
-from .widgets import default_mode, field_widget, mode_choices, preset_of
+                      AccelerationOptions, LoadedModel, SamplingChoice)
+from .widgets import chosen_window, default_mode, mode_choices, preset_of, window_widget
 
 NODE = "SJD Sampler"
+MODE_TOOLTIP = (
+    "AUTO: cost-aware: each step picks the window or draft tree expected to commit the most codes "
+    "per second on this machine (with adaptive continuation and drafts from the code above). AR: "
+    "plain autoregression, one code per forward pass. SJD: speculative Jacobi decoding. PAC: SJD "
+    "with adaptive continuation and proactive drafting. PAC+VP: PAC with verification "
+    "prediction. All of these are lossless; SJD Acceleration Options can change any part of the "
+    "mode.")
 
 
-def acceleration_settings(mode: str, window: int,
+def acceleration_settings(mode: str, window: int | None,
                           options: AccelerationOptions | None) -> AccelerationSettings:
-    """The mode's preset with the sampler's window and the options node's settings on top."""
+    """The mode's preset with the sampler's window (None: the mode's own) and the options node's
+    settings on top."""
     try:
         preset = preset_of(mode)
     except ValueError as error:
@@ -28,8 +36,8 @@ def acceleration_settings(mode: str, window: int,
     except ValueError as error:
         single = AccelerationSettings.preset(preset).window == 1
         hint = (f" (mode {mode} decodes one code per step: relaxed acceptance and the AC / PD / "
-                "VP switches need a speculative mode such as SJD, PAC or PAC+VP)" if single
-                else "")
+                "VP / adaptive_shape switches need a speculative mode such as AUTO, SJD, PAC or "
+                "PAC+VP)" if single else "")
         raise ValueError(f"{NODE}: mode={mode}: {error}{hint}") from error
 
 
@@ -74,20 +82,18 @@ class SJDSampler:
                 "batch_size": ("INT", {
                     "default": 1, "min": 1, "max": 64,
                     "tooltip": "Images drawn together; image b uses seed + b, so a batch equals "
-                               "the same images made one by one."}),
+                               "the same images made one by one (in every mode but AUTO, see "
+                               "seed)."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
                                  "control_after_generate": True,
                                  "tooltip": "Random seed; the same seed and settings give the "
                                             "same image. Lossless modes draw from the same "
-                                            "distribution but not the same sample per seed."}),
-                "mode": (mode_choices(), {
-                    "default": default_mode(),
-                    "tooltip": "AR: plain autoregression, one code per forward pass. SJD: "
-                               "speculative Jacobi decoding. PAC: SJD with adaptive continuation "
-                               "and proactive drafting. PAC+VP: PAC with verification "
-                               "prediction. All of these are lossless; SJD Acceleration Options "
-                               "can change any part of the mode."}),
-                "window": field_widget(AccelerationSettings, "window"),
+                                            "distribution but not the same sample per seed. "
+                                            "AUTO picks its steps from measured speed, so a seed "
+                                            "may give another (equally likely) image from run "
+                                            "to run: use a fixed mode to repeat one exactly."}),
+                "mode": (mode_choices(), {"default": default_mode(), "tooltip": MODE_TOOLTIP}),
+                "window": window_widget(),
             },
             "optional": {
                 "acceleration": (ACCELERATION_TYPE, {
@@ -96,8 +102,9 @@ class SJDSampler:
                                "Without it: the mode's own settings."}),
                 "sampling": (SAMPLING_TYPE, {
                     "tooltip": "Guidance, temperature, top-k and top-p from SJD Sampling "
-                               "Options. Without it: the model family's official recipe (see "
-                               "the Loader's info)."}),
+                               "Options: another of the model's official recipes, or your own. "
+                               "Without it: the model family's first official recipe (see the "
+                               "Loader's info)."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -105,9 +112,12 @@ class SJDSampler:
     def sample(self, model: LoadedModel, prompt: str, negative_prompt: str, resolution: str,
                batch_size: int, seed: int, mode: str, window: int,
                acceleration: AccelerationOptions | None = None,
-               sampling: SamplingSettings | None = None, unique_id: str | None = None) -> dict:
+               sampling: SamplingChoice | None = None, unique_id: str | None = None) -> dict:
         """Build the settings objects, then run the engine with progress, previews and Cancel."""
-        settings = acceleration_settings(mode, window, acceleration)
+        settings = acceleration_settings(mode, chosen_window(window), acceleration)
+        try:
+            recipe = (sampling or SamplingChoice()).settings(model)
+        except ValueError as error:
+            raise ValueError(f"{NODE}: {error}") from None
         asked = Prompting(prompt, negative_prompt, resolution, batch_size, seed)
-        return run_sampler(model, asked, settings, sampling or family_sampling(model), NODE,
-                           unique_id)
+        return run_sampler(model, asked, settings, recipe, NODE, unique_id)

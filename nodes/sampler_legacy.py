@@ -8,14 +8,15 @@ Its widgets and their order must not change: saved workflows store widget values
 from __future__ import annotations
 
 from ..sjd_core.decoding.settings import INIT_RULES, RELAXED_RULES, AccelerationSettings, SamplingSettings
-from .generation import RESOLUTIONS, Prompting, family_sampling, run_sampler
-from .handles import CODES_TYPE, MODEL_TYPE, TRACE_TYPE, LoadedModel
-from .widgets import LOSSY
+from .generation import RESOLUTIONS, Prompting, run_sampler
+from .handles import (CODES_TYPE, CUSTOM, FAMILY_RECIPE, MODEL_TYPE, TRACE_TYPE, LoadedModel,
+                      SamplingChoice)
+from .widgets import FIELD_WIDGETS, LOSSY
 
 NODE = "SJD Sampler (all options, old)"
 MODES = {"PAC+VP": "pac+vp", "PAC": "pac", "SJD": "sjd", "AR": "ar", "custom": None}
 DEFAULT_MODE = "PAC+VP"
-SAMPLING_CHOICES = ("family recipe", "custom")
+SAMPLING_CHOICES = (FAMILY_RECIPE, CUSTOM)
 SWITCHES = ("adaptive_continuation", "proactive_drafting", "verification_prediction")
 PROMPTING = ("prompt", "negative_prompt", "resolution", "batch_size", "seed")
 
@@ -62,8 +63,8 @@ def sampling_settings(model: LoadedModel, widgets: dict) -> SamplingSettings:
     if choice not in SAMPLING_CHOICES:
         raise ValueError(f"{NODE}: sampling={choice!r} is not allowed: pick one of "
                          f"{list(SAMPLING_CHOICES)}.")
-    if choice == "family recipe":
-        return family_sampling(model)
+    if choice == FAMILY_RECIPE:
+        return SamplingChoice().settings(model)
     try:
         return SamplingSettings(**{name: widgets[name] for name in
                                    ("guidance", "temperature", "top_k", "top_p")})
@@ -116,7 +117,7 @@ class SJDSamplerLegacy:
                                             "same image. Lossless modes draw from the same "
                                             "distribution but not the same sample per seed."}),
                 "sampling": (list(SAMPLING_CHOICES), {
-                    "default": "family recipe",
+                    "default": FAMILY_RECIPE,
                     "tooltip": "'family recipe' uses the model's official guidance, temperature, "
                                "top-k and top-p (see the Loader's info); 'custom' uses the four "
                                "inputs below."}),
@@ -139,10 +140,8 @@ class SJDSamplerLegacy:
                                "toggles below."}),
                 "window": _int(16, 1, 256, "Codes guessed and checked per forward pass (not used "
                                            "by AR); 1 is plain autoregression."),
-                "init": (list(INIT_RULES), {
-                    "default": "uniform",
-                    "tooltip": "How codes entering the window are first guessed: uniform random "
-                               "codes, or left = repeat the code to the left."}),
+                "init": (list(INIT_RULES), {"default": "uniform",
+                                            "tooltip": FIELD_WIDGETS["init"][0]}),
                 "adaptive_continuation": _bool(True, "AC (custom mode only): after a rejection, "
                                                      "keep later guesses that still fit. "
                                                      "Lossless."),

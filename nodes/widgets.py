@@ -4,10 +4,15 @@ Each field of :class:`AccelerationSettings` and :class:`SamplingSettings` become
 ``Literal`` field a combo of its values, a bool a BOOLEAN, an int an INT, a float a FLOAT, with the
 field's default. ``FIELD_WIDGETS`` adds the tooltip and range users should see; a field it does
 not know yet still gets a widget, a generic tooltip and open ranges (the dataclass validates it).
+
+A number that may be None (``int | None``: the core picks the value itself) shows as a number
+whose widget reaches below the field's range: any value below it stands for None
+(``NONE_WIDGET_VALUES`` holds the value shown by default, ``setting_value`` turns it back).
 """
 
 from __future__ import annotations
 
+import types
 import typing
 from dataclasses import MISSING, Field, fields
 
@@ -24,9 +29,11 @@ INT_LIMIT = 2**31 - 1
 # field -> (tooltip, min, max, step); None keeps the open default.
 FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] = {
     "window": ("Codes guessed and checked per forward pass (not used by AR); 1 is plain "
-               "autoregression.", 1, 256, 1),
-    "init": ("How codes entering the window are first guessed: uniform random codes, or left = "
-             "repeat the code to the left.", None, None, None),
+               "autoregression. AUTO takes it as the longest window it may use.", 1, 256, 1),
+    "init": ("How codes entering the window are first guessed: uniform = random codes; left = "
+             "repeat the code to the left; above = repeat the code above; above_target = draw "
+             "from what the model predicted for the code above. All lossless.", None, None,
+             None),
     "adaptive_continuation": ("AC: after a rejection, keep later guesses that still fit. "
                               "Lossless. 'as mode' follows the sampler's mode (on in PAC and "
                               "PAC+VP).", None, None, None),
@@ -48,15 +55,22 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                 "target in the codebook; gsd accepts guesses near the top of the target's "
                 "ranking. Faster, slightly different images.", None, None, None),
     "lantern_neighbours": ("LANTERN k: codebook neighbours whose probability mass a guess may "
-                           "borrow.", 1, 1_000_000, 1),
+                           "borrow. 0 = scaled to the model's codebook (1000 for codebooks of "
+                           "8192 codes or more, fewer for smaller ones).", 1, 1_000_000, 1),
     "lantern_delta": ("LANTERN delta: the most probability mass (total variation) a guess may "
-                      "borrow.", 0.0, 1.0, 0.01),
+                      "borrow. Negative = scaled to the model's codebook (0.1 for codebooks of "
+                      "8192 codes or more, less for smaller ones).", 0.0, 1.0, 0.01),
     "gsd_rank_radius": ("GSD: a guess within this many ranks of the top may pass.", 0, 100_000,
                         1),
     "gsd_prob_tolerance": ("GSD: how much less likely than the target's choice a guess may be.",
                            0.0, 10.0, 0.01),
     "gsd_embedding_tolerance": ("GSD: how far (codebook embedding distance) a guess may lie.",
                                 0.0, 100.0, 0.01),
+    "adaptive_shape": ("AUTO, cost-aware: each step picks the window or draft tree expected to "
+                       "commit the most codes per second on this machine, from the speed and "
+                       "acceptance it measured; the sampler's window is then the longest it may "
+                       "use. Lossless. 'as mode' follows the sampler's mode (on in AUTO).", None,
+                       None, None),
     "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
                  "unconditional pass.", 0.0, 30.0, 0.1),
     "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),
@@ -65,6 +79,9 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
 }
 # Widget defaults that differ from the dataclass default (guidance 1.0 would switch CFG off).
 WIDGET_DEFAULTS = {"guidance": 3.0}
+# field that may be None -> the widget value that stands for None (below the field's range)
+NONE_WIDGET_VALUES = {"lantern_neighbours": 0, "lantern_delta": -1.0}
+OWN_WINDOW = 0  # the sampler's window value that keeps the mode's own window
 
 
 def mode_label(preset: str) -> str:
@@ -100,6 +117,32 @@ def _default(field: Field) -> object:
     return field.default if field.default is not MISSING else field.default_factory()
 
 
+def _number_or_none(kind: object) -> type | None:
+    """``int`` or ``float`` for a type hint ``int | None`` or ``float | None``; else None."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) not in (typing.Union, types.UnionType) or len(args) != 2 \
+            or type(None) not in args:
+        return None
+    number = next(arg for arg in args if arg is not type(None))
+    return number if number in (int, float) else None
+
+
+def _lowest(name: str) -> float:
+    """The lowest value a field's widget offers for a real setting (0 when its range is open)."""
+    low = FIELD_WIDGETS.get(name, (None, None, None, None))[1]
+    return 0 if low is None else low
+
+
+def setting_value(cls: type, name: str, value: object) -> object:
+    """The setting behind a widget value: None for a value below the range of a field that may
+    be None (see ``NONE_WIDGET_VALUES``), the value itself otherwise."""
+    kind = typing.get_type_hints(cls)[name]
+    if _number_or_none(kind) is not None and isinstance(value, (int, float)) \
+            and value < _lowest(name):
+        return None
+    return value
+
+
 def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
     """The ComfyUI input spec of one dataclass field; ``switch`` makes a bool an 'as mode' combo."""
     hints = typing.get_type_hints(cls)
@@ -110,6 +153,11 @@ def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
     if is_lossy(name):
         tooltip = LOSSY + tooltip
     default = WIDGET_DEFAULTS.get(name, _default(field))
+    number = _number_or_none(kind)
+    if number is not None:
+        kind = number
+        low = NONE_WIDGET_VALUES.get(name, _lowest(name) - 1)  # values below the range: None
+        default = low if default is None else default
     if typing.get_origin(kind) is typing.Literal:
         return (list(typing.get_args(kind)), {"default": default, "tooltip": tooltip})
     if kind is bool:
@@ -126,6 +174,22 @@ def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
                        step=step or 0.01)
         return ("FLOAT", options)
     raise TypeError(f"{cls.__name__}.{name} has type {kind!r}, which no widget shows.")
+
+
+def window_widget() -> tuple:
+    """The sampler's window: the setting's widget, where ``OWN_WINDOW`` (the default) keeps each
+    mode's own window, so AUTO gets its longest window and SJD / PAC / PAC+VP theirs."""
+    kind, options = field_widget(AccelerationSettings, "window")
+    own = ", ".join(f"{mode_label(name)} {AccelerationSettings.preset(name).window}"
+                    for name in PRESETS if AccelerationSettings.preset(name).window > 1)
+    return (kind, options | {"default": OWN_WINDOW, "min": OWN_WINDOW,
+                             "tooltip": f"{options['tooltip']} {OWN_WINDOW} = the mode's own "
+                                        f"window ({own})."})
+
+
+def chosen_window(value: int) -> int | None:
+    """The window the sampler's widget asks for; None keeps the mode's own."""
+    return None if value == OWN_WINDOW else value
 
 
 def acceleration_option_fields() -> list[str]:

@@ -31,6 +31,8 @@ TEAL = (33, 145, 140)
 FAMILY_CARDS = {
     "SJD Lumina-mGPT text to image": ("Lumina-mGPT", "text to image, 512 to 1024 px",
                                       "models/sjd/Lumina-mGPT-7B-768/"),
+    "SJD Lumina-mGPT 2.0 text to image": ("Lumina-mGPT 2.0", "text to image, 768 x 768 px",
+                                          "models/sjd/Lumina-mGPT-2.0/"),
     "SJD Emu3 text to image": ("Emu3", "text to image, 720 x 720 px", "models/sjd/Emu3-Gen-hf/"),
     "SJD Janus-Pro text to image": ("Janus-Pro", "text to image, 384 x 384 px",
                                     "models/sjd/Janus-Pro-7B/"),
@@ -44,7 +46,9 @@ def family_card(family: str, what: str, folder: str) -> Image.Image:
     card = Image.new("RGB", (SIZE, SIZE), BACKGROUND)
     draw = ImageDraw.Draw(card)
     draw.rectangle([0, 0, SIZE, 10], fill=TEAL)
-    draw.text((24, 60), family, fill=(240, 240, 240), font=font(44))
+    title = next(font(size) for size in range(44, 20, -2)
+                 if draw.textlength(family, font=font(size)) <= SIZE - 48)  # 24 px margins
+    draw.text((24, 60), family, fill=(240, 240, 240), font=title)
     draw.text((24, 130), what, fill=(200, 200, 200), font=font(20))
     draw.text((24, 165), "PAC+VP: lossless, fewer forward passes", fill=TEAL, font=font(18))
     draw.text((24, 270), "needs the checkpoint in", fill=(170, 170, 170), font=font(16))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sjd_core.decoding.settings import DEFAULT_PRESET, AccelerationSettings
 from sjd_core.tools import bench, demo
 from sjd_core.tools.cli import default_threads
 from sjd_core.tools.reference import benchmark
@@ -44,9 +45,11 @@ def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys)
     printed = capsys.readouterr()
     assert f"speed-up over AR: {report['speedup']:.2f}x wall-clock" in printed.out
     assert "torch CPU threads: 1" in printed.out
-    # one progress bar per run (auto, then AR), each reaching all 256 codes with a rate and ETA
+    # one progress bar per run (the default mode, then AR), each reaching all 256 codes with a
+    # rate and ETA
+    assert report["mode"] == AccelerationSettings.preset(DEFAULT_PRESET, window=8).mode_name
     bars = printed.err.replace("\r", "\n")
-    for mode in ("AUTO 'sneaker'", "AR 'sneaker'"):
+    for mode in (f"{report['mode']} 'sneaker'", "AR 'sneaker'"):
         assert f"{mode}: 100%" in bars and "256/256 [" in bars and "code/s]" in bars
 
 
@@ -71,7 +74,7 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     (demo, ["--window", "0", "--no-baseline"], "window=0 is not allowed"),
     (demo, ["--batch", "0"], "--batch=0 is not allowed"),
     (demo, ["--mode", "fastest"], "argument --mode: invalid choice: 'fastest'"),
-    (bench, ["--modes", "AR,fast"], "--modes='AR,fast' is not allowed"),
+    (bench, ["--modes", "AR,turbo"], "--modes='AR,turbo' is not allowed: ['turbo']"),
     (bench, ["--images", "0"], "--images=0 is not allowed"),
     (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
     (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),

@@ -35,8 +35,12 @@ from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
 from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
+from sjd_pack.nodes.handles import SamplingChoice  # noqa: E402
 from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
                                                  AccelerationSettings, SamplingSettings)
+from sjd_pack.sjd_core.models.protocol import SamplingDefaults  # noqa: E402
+from sjd_pack.sjd_core.models.registry import (offered_recipes,  # noqa: E402
+                                               offered_resolutions, resolutions_on_disk)
 from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
 
 Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
@@ -116,11 +120,33 @@ def test_sampler_has_few_widgets_and_modes_come_from_the_presets():
                                         "batch_size", "seed", "mode", "window"]
     assert len(inputs["required"]) <= 10
     assert inputs["required"]["mode"][0] == [name.upper() for name in PRESETS]
-    assert inputs["required"]["mode"][1]["default"] == DEFAULT_PRESET.upper()
-    assert inputs["required"]["window"][1]["default"] == AccelerationSettings().window
+    assert inputs["required"]["mode"][0][0] == "AUTO"
+    assert inputs["required"]["mode"][1]["default"] == DEFAULT_PRESET.upper() == "AUTO"
+    window = inputs["required"]["window"][1]
+    assert window["default"] == window["min"] == 0  # 0: each mode's own window
+    assert "AUTO 32" in window["tooltip"] and "PAC+VP 16" in window["tooltip"]
+    assert "AUTO" in inputs["required"]["mode"][1]["tooltip"]
     assert inputs["required"]["seed"][1]["control_after_generate"] is True
     assert [spec[0] for spec in inputs["optional"].values()] == ["SJD_ACCELERATION",
                                                                   "SJD_SAMPLING"]
+
+
+def test_every_size_a_family_offers_is_a_resolution_choice(tmp_path):
+    choices = Sampler.INPUT_TYPES()["required"]["resolution"][0]
+    assert choices[0] == "default" and len(choices) == len(set(choices))
+    assert choices == LegacySampler.INPUT_TYPES()["required"]["resolution"][0]
+    assert choices[1:] == [f"{w}x{h}" for w, h in offered_resolutions()]
+    configs = {f"Lumina-mGPT-7B-{size}": {"model_type": "chameleon", "vocab_size": 65536,
+                                          "z_loss_weight": 1e-5} for size in (512, 768, 1024)}
+    configs["Lumina-mGPT-2.0"] = {"model_type": "chameleon", "vocab_size": 172032}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        family, sizes = resolutions_on_disk(tmp_path / name)
+        assert len(sizes) > 40 and family.startswith("lumina"), (name, family, len(sizes))
+        missing = [f"{w}x{h}" for w, h in sizes if f"{w}x{h}" not in choices]
+        assert not missing, (name, missing)
+    assert {"1024x256", "992x256", "832x624", "384x384"} <= set(choices)
 
 
 def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
@@ -131,14 +157,31 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     assert len(lossy) == 6
     assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)
     assert not any("LOSSY" in spec[1]["tooltip"] for n, spec in inputs.items() if n not in lossy)
-    for switch in ("adaptive_continuation", "proactive_drafting", "verification_prediction"):
+    for switch in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
+                   "adaptive_shape"):
         assert inputs[switch][0] == ["as mode", "on", "off"]
-    defaults = AccelerationSettings()
-    for name, spec in inputs.items():
-        if spec[0] != ["as mode", "on", "off"]:
-            assert spec[1]["default"] == getattr(defaults, name), name
-    assert list(SamplingOptions.INPUT_TYPES()["required"]) == list(
-        SamplingSettings.__dataclass_fields__)
+    assert inputs["init"][0] == ["uniform", "left", "above", "above_target"]
+    for rule in ("above", "above_target"):
+        assert rule in inputs["init"][1]["tooltip"]
+    assert "codes per second on this machine" in inputs["adaptive_shape"][1]["tooltip"]
+    # the options node at its defaults changes nothing of a preset, LANTERN's k and delta included
+    assert acceleration().settings("pac", None) == AccelerationSettings.preset("pac")
+    assert list(SamplingOptions.INPUT_TYPES()["required"]) == [
+        "recipe", *SamplingSettings.__dataclass_fields__]
+
+
+def test_lantern_knobs_can_stay_scaled_to_the_codebook():
+    inputs = AccelerationOptions.INPUT_TYPES()["required"]
+    neighbours, delta = inputs["lantern_neighbours"], inputs["lantern_delta"]
+    assert (neighbours[0], neighbours[1]["default"], neighbours[1]["min"]) == ("INT", 0, 0)
+    assert (delta[0], delta[1]["default"], delta[1]["min"]) == ("FLOAT", -1.0, -1.0)
+    assert "0 = scaled to the model's codebook" in neighbours[1]["tooltip"]
+    assert "Negative = scaled to the model's codebook" in delta[1]["tooltip"]
+    scaled = acceleration(relaxed="lantern").settings("sjd", 8)
+    assert scaled.lantern_neighbours is None and scaled.lantern_delta is None
+    chosen = acceleration(relaxed="lantern", lantern_neighbours=5, lantern_delta=0.0)
+    assert (chosen.settings("sjd", 8).lantern_neighbours, chosen.settings("sjd", 8).lantern_delta
+            ) == (5, 0.0)
 def test_install_metadata():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     comfy = meta["tool"]["comfy"]
@@ -193,9 +236,9 @@ def test_loader_refuses_a_folder_that_is_no_checkpoint(tmp_path, monkeypatch):
     assert "emu3" in str(error.value)  # lists what each family expects on disk
 
 
-def test_loader_refuses_unknown_dtype():
-    with pytest.raises(ValueError, match=r"dtype='int8' is not allowed.*'auto', 'bf16'"):
-        Loader().load(REFERENCE, "int8")
+def test_loader_refuses_unknown_weights():
+    with pytest.raises(ValueError, match=r"weights='int2' is not allowed.*'auto', 'bf16'.*'int4'"):
+        Loader().load(REFERENCE, "int2")
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +265,7 @@ def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
 # ---------------------------------------------------------------- sampler, decode, diagnostics
 
 def test_sample_decode_diagnose(synthetic):
-    codes, trace, line = sample(synthetic, prompt="a synthetic prompt", seed=3)
+    codes, trace, line = sample(synthetic, prompt="a synthetic prompt", seed=3, mode="PAC+VP")
     assert codes.codes.shape == (1, *GRID) and codes.codes.dtype == torch.long
     assert trace.run.mode == "SJD+AC+PD+VP" and trace.run.resolution == (GRID[1], GRID[0])
     summary = trace.trace.summary()
@@ -246,12 +289,22 @@ def test_sample_decode_diagnose(synthetic):
     assert maps[0, 0] <= maps[-1, -1] and float(commit.std()) > 0
 
 
-def test_same_seed_same_codes_and_batch_rows_follow_their_seeds(synthetic):
-    first = sample(synthetic, prompt="p", seed=5)[0].codes
-    assert torch.equal(first, sample(synthetic, prompt="p", seed=5)[0].codes)
-    batch = sample(synthetic, prompt="p", seed=5, batch_size=2)[0].codes
+@pytest.mark.parametrize("mode", [m.upper() for m in PRESETS if m != "auto"])
+def test_same_seed_same_codes_and_batch_rows_follow_their_seeds(synthetic, mode):
+    first = sample(synthetic, prompt="p", seed=5, mode=mode)[0].codes
+    assert torch.equal(first, sample(synthetic, prompt="p", seed=5, mode=mode)[0].codes)
+    batch = sample(synthetic, prompt="p", seed=5, batch_size=2, mode=mode)[0].codes
     assert torch.equal(batch[:1], first)
-    assert torch.equal(batch[1:], sample(synthetic, prompt="p", seed=6)[0].codes)
+    assert torch.equal(batch[1:], sample(synthetic, prompt="p", seed=6, mode=mode)[0].codes)
+
+
+def test_auto_runs_by_default_with_its_own_longest_window(synthetic):
+    _, trace, line = sample(synthetic, prompt="p", seed=5)
+    assert trace.run.mode.startswith("AUTO") and line.startswith("AUTO")
+    assert trace.trace.meta["window"] == AccelerationSettings.preset("auto").window == 32
+    assert trace.trace.summary()["slots_per_image"] == GRID[0] * GRID[1]
+    _, chosen, _ = sample(synthetic, prompt="p", seed=5, window=8)
+    assert chosen.trace.meta["window"] == 8
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -261,6 +314,8 @@ def test_every_preset_runs_as_its_settings_say(synthetic, preset):
         expected = AccelerationSettings.preset(preset, window=8)
     _, trace, line = sample(synthetic, mode=preset.upper(), window=8)
     assert trace.run.mode == expected.mode_name and line.startswith(expected.mode_name)
+    _, own, _ = sample(synthetic, mode=preset.upper(), window=0)
+    assert own.trace.meta["window"] == AccelerationSettings.preset(preset).window
 
 
 def test_settings_travel_as_objects(synthetic):
@@ -276,7 +331,7 @@ def test_settings_travel_as_objects(synthetic):
     _, trace, _ = sample(synthetic, mode="SJD", window=8, acceleration=as_mode)
     assert trace.run.mode == "SJD"
     greedy = sampling(top_k=1)
-    assert isinstance(greedy, SamplingSettings) and greedy.top_k == 1 and greedy.guidance == 3.0
+    assert greedy.recipe == "custom" and greedy.custom.top_k == 1 and greedy.custom.guidance == 3.0
     first = sample(synthetic, prompt="p", seed=1, sampling=greedy)[0].codes
     assert torch.equal(first, sample(synthetic, prompt="p", seed=2, sampling=greedy)[0].codes)
 
@@ -286,19 +341,64 @@ def test_without_sampling_options_the_family_recipe_is_used(reference):
     recipe = loaded.model.defaults
     explicit = sampling(guidance=recipe.guidance, temperature=recipe.temperature,
                         top_k=recipe.top_k, top_p=recipe.top_p)
-    plain = sample(loaded, prompt="bag", seed=4)[0].codes
-    assert torch.equal(plain, sample(loaded, prompt="bag", seed=4, sampling=explicit)[0].codes)
+    plain = sample(loaded, prompt="bag", seed=4, mode="PAC+VP")[0].codes
+    for same in (explicit, sampling(recipe="family recipe"), sampling(recipe="trained")):
+        assert torch.equal(plain, sample(loaded, prompt="bag", seed=4, mode="PAC+VP",
+                                         sampling=same)[0].codes)
+
+
+@pytest.fixture(scope="module")
+def two_recipes() -> LoadedModel:
+    """A synthetic model with two official recipes: the default and a greedy one."""
+    torch.manual_seed(0)
+    model = SyntheticModel(codebook_size=16, grid=GRID, sharpness=3.0)
+    model.recipes = {"sampled": SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0,
+                                                 source="test"),
+                     "greedy": SamplingDefaults(guidance=1.0, temperature=1.0, top_k=1,
+                                                source="test")}
+    model.defaults = model.recipes["sampled"]
+    return LoadedModel(model, None, "two recipes", torch.float32)
+
+
+def test_sampling_options_pick_an_official_recipe_by_name(two_recipes):
+    choices = SamplingOptions.INPUT_TYPES()["required"]["recipe"]
+    assert choices[0] == ["family recipe", *offered_recipes(), "custom"]
+    assert choices[1]["default"] == "custom"
+    for name in ("inference solver", "gradio demo", "official", "FID evaluation", "trained"):
+        assert name in choices[0]
+    greedy = sampling(recipe="greedy", temperature=0.0)  # the four numbers are not used
+    assert greedy == SamplingChoice("greedy")
+    runs = [sample(two_recipes, prompt="p", seed=seed, mode="SJD", sampling=greedy)
+            for seed in (1, 2)]
+    assert runs[0][1].trace.meta["sampling"] == {"guidance": 1.0, "temperature": 1.0,
+                                                 "top_k": 1, "top_p": 1.0}
+    assert torch.equal(runs[0][0].codes, runs[1][0].codes)  # greedy: the seed does not matter
+    default = sample(two_recipes, prompt="p", seed=1, mode="SJD",
+                     sampling=sampling(recipe="family recipe"))[1]
+    assert default.trace.meta["sampling"]["guidance"] == 3.0
+    assert default.trace.meta["sampling"]["top_k"] == 0
+
+
+def test_a_recipe_the_model_does_not_have_is_named_with_the_models_recipes(two_recipes):
+    with pytest.raises(ValueError) as error:
+        sample(two_recipes, prompt="p", sampling=sampling(recipe="gradio demo"))
+    message = str(error.value)
+    for part in ("SJD Sampler: recipe='gradio demo' is not a recipe of the synthetic model "
+                 "'two recipes'", "'sampled', 'greedy'", "'family recipe'", "'custom'"):
+        assert part in message, message
 
 
 @pytest.mark.parametrize("changes, expected", [
     (dict(mode="AR", acceleration=dict(relaxed="lantern")),
-     ["SJD Sampler: mode=AR", "relaxed='lantern'", "speculative mode such as SJD"]),
+     ["SJD Sampler: mode=AR", "relaxed='lantern'", "speculative mode such as AUTO, SJD"]),
+    (dict(mode="AR", acceleration=dict(adaptive_shape="on")),
+     ["SJD Sampler: mode=AR", "adaptive_shape=True", "speculative mode"]),
     (dict(mode="PAC", window=4, acceleration=dict(pd_depth=6)), ["pd_depth=6", "window (4)"]),
     (dict(mode="SJD", window=1, acceleration=dict(verification_prediction="on")),
      ["verification_prediction=True", "raise window"]),
     (dict(resolution="768x768"), ["resolution=768x768", "synthetic", "pick one of 8x8"]),
     (dict(resolution="huge"), ["resolution='huge'", "WIDTHxHEIGHT"]),
-    (dict(mode="turbo"), ["mode='turbo'", "PAC+VP"]),
+    (dict(mode="turbo"), ["mode='turbo'", "'AUTO'", "PAC+VP"]),
     (dict(batch_size=0), ["batch_size=0", ">= 1"]),
 ])
 def test_sampler_bad_inputs_say_what_to_do(synthetic, changes, expected):
@@ -430,8 +530,9 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
 TEXT_TO_IMAGE = "SJD text to image (reference)"
 AR_VS_PAC_VP = "SJD AR vs PAC+VP (reference)"
-FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Emu3 text to image",
-                    "SJD Janus-Pro text to image", "SJD LlamaGen class to image")
+FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Lumina-mGPT 2.0 text to image",
+                    "SJD Emu3 text to image", "SJD Janus-Pro text to image",
+                    "SJD LlamaGen class to image")
 UNSAFE_IN_FILE_NAMES = set('<>:"/\\|?*#%&')
 
 

@@ -58,20 +58,23 @@ T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
 # GETTING_STARTED.md's FID sampling commands: --cfg-scale per class-conditional GPT, by model width
 # (GPT-B 768, GPT-L 1024, GPT-XL 1280, GPT-XXL 1536, GPT-3B 3200)
 EVALUATION_GUIDANCE = {768: 2.0, 1024: 2.0, 1280: 1.75, 1536: 1.75, 3200: 1.65}
+SAMPLE_SCRIPT = "sample script"
+FID_EVALUATION = "FID evaluation"
+RECIPE_NAMES = (SAMPLE_SCRIPT, FID_EVALUATION)  # every recipe name a LlamaGen GPT may have
 
 
 def llamagen_recipes(spec: LlamaGenSpec) -> dict[str, SamplingDefaults]:
     """The official recipes of a LlamaGen GPT: its sample script first, then (c2i of a published
     size) the FID evaluation setting."""
     if spec.kind == "t2i":
-        return {"sample script": SamplingDefaults(
+        return {SAMPLE_SCRIPT: SamplingDefaults(
             guidance=7.5, temperature=1.0, top_k=1000,
             source="LlamaGen autoregressive/sample/sample_t2i.py defaults")}
-    recipes = {"sample script": SamplingDefaults(
+    recipes = {SAMPLE_SCRIPT: SamplingDefaults(
         guidance=4.0, temperature=1.0, top_k=2000,
         source="LlamaGen autoregressive/sample/sample_c2i.py defaults")}
     if spec.dim in EVALUATION_GUIDANCE:
-        recipes["FID evaluation"] = SamplingDefaults(
+        recipes[FID_EVALUATION] = SamplingDefaults(
             guidance=EVALUATION_GUIDANCE[spec.dim], temperature=1.0, top_k=0,
             source="LlamaGen GETTING_STARTED.md sampling commands (--cfg-scale of this GPT size) "
                    "with autoregressive/sample/sample_c2i_ddp.py defaults (no top-k)")

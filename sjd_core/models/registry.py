@@ -19,7 +19,8 @@ from .family_common import read_json
 from .protocol import ImageTokenModel
 from .weights import DeviceMap
 
-__all__ = ["Family", "FAMILIES", "family_of", "load_model", "resolutions_on_disk", "offered_resolutions"]
+__all__ = ["Family", "FAMILIES", "family_of", "load_model", "resolutions_on_disk", "offered_resolutions",
+           "offered_recipes"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,15 @@ def offered_resolutions() -> list[tuple[int, int]]:
     sizes += lumina2.resolutions_on_disk(Path("."))
     sizes += list(emu3.size_grids(emu3.DEFAULT_IMAGE_AREA, 8))
     return list(dict.fromkeys(sizes))
+
+
+def offered_recipes() -> list[str]:
+    """Every official recipe name a family offers, in the order of :data:`FAMILIES`, for a node's
+    static list; the loaded model's own ``recipes`` decide which of them it has."""
+    names = [*lumina2.RECIPES, *chameleon.LUMINA_RECIPES, *chameleon.ANOLE_RECIPES,
+             *emu3.Emu3Model.recipes, *janus.JanusModel.recipes, *llamagen.RECIPE_NAMES,
+             reference.RECIPE]
+    return list(dict.fromkeys(names))
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,

@@ -3,7 +3,7 @@
     python -m sjd_core.tools.demo --prompt "ankle boot"
 
 Uses the embedded reference model unless ``--model`` names another checkpoint folder. For every
-prompt it generates the images with the chosen mode (PAC+VP by default) and, in the same run,
+prompt it generates the images with the chosen mode (auto by default) and, in the same run,
 with plain autoregression (AR) from the same seeds, then writes
 
 * ``OUT/NAME.png``: the images, one row per prompt, one column per batch row;

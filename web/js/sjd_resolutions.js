@@ -1,4 +1,5 @@
-// Narrows the SJD Sampler's "resolution" list to the sizes of the model its loader picks.
+// Narrows the "resolution" list of SJD Sampler (and of the first release's sampler) to the sizes of
+// the model its loader picks.
 // Asks the pack's route GET /sjd/resolutions?model=NAME (sizes read from the checkpoint's config
 // files, no weights loaded) whenever a sampler's model input is connected to an SJD Model Loader,
 // the loader's model choice changes, or a workflow is loaded. Without a loader upstream the
@@ -7,7 +8,7 @@
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
-const SAMPLER = "SJDSampler";
+const SAMPLERS = ["SJDSamplerV2", "SJDSampler"]; // the sampler, and the first release's (hidden)
 const LOADER = "SJDModelLoader";
 const ROUTE = "/sjd/resolutions";
 const KEEP = ["default"]; // always offered: the model's own default size
@@ -53,14 +54,14 @@ async function narrow(sampler) {
 
 function narrowAll() {
   for (const node of app.graph?._nodes ?? []) {
-    if (node.type === SAMPLER) narrow(node);
+    if (SAMPLERS.includes(node.type)) narrow(node);
   }
 }
 
 app.registerExtension({
   name: "sjd.resolutions",
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData.name === SAMPLER) {
+    if (SAMPLERS.includes(nodeData.name)) {
       const onConnectionsChange = nodeType.prototype.onConnectionsChange;
       nodeType.prototype.onConnectionsChange = function (...args) {
         const result = onConnectionsChange?.apply(this, args);
@@ -86,7 +87,7 @@ app.registerExtension({
     }
   },
   loadedGraphNode(node) {
-    if (node.type === SAMPLER) setTimeout(() => narrow(node), 0);
+    if (SAMPLERS.includes(node.type)) setTimeout(() => narrow(node), 0);
   },
   async afterConfigureGraph() {
     narrowAll();

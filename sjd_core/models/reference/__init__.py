@@ -4,8 +4,8 @@ Shipped in ``weights/`` (about 7 MB), retrained by ``python -m sjd_core.tools.re
 loaded by :func:`sjd_core.models.registry.load_model` like any real family (family ``reference``).
 """
 
-from .adapter import (DESCRIPTION, EXPECTS, FAMILY, WEIGHTS_DIR, ReferenceModel, build,
+from .adapter import (DESCRIPTION, EXPECTS, FAMILY, RECIPE, WEIGHTS_DIR, ReferenceModel, build,
                       is_reference_folder, resolutions_on_disk)
 
-__all__ = ["DESCRIPTION", "EXPECTS", "FAMILY", "WEIGHTS_DIR", "ReferenceModel", "build",
+__all__ = ["DESCRIPTION", "EXPECTS", "FAMILY", "RECIPE", "WEIGHTS_DIR", "ReferenceModel", "build",
            "is_reference_folder", "resolutions_on_disk"]

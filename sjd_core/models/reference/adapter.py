@@ -31,6 +31,7 @@ from .prompts import ClassVocabulary, unread
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DESCRIPTION = "reference.json"
 FAMILY = "reference"
+RECIPE = "trained"  # the name of the model's one recipe
 EXPECTS = ("a folder like sjd_core/models/reference/weights: reference.json (family "
            "'reference'), config.json, model.safetensors, codebook.safetensors")
 
@@ -73,10 +74,10 @@ class ReferenceModel:
         self.null_token = int(meta["null_class_token"])
         self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
         self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
-        self.recipes = {"trained": SamplingDefaults(
+        self.recipes = {RECIPE: SamplingDefaults(
             **meta["defaults"], source="the reference model's own recipe (reference.json, written by "
                                        "sjd_core.tools.reference.train)")}
-        self.defaults = self.recipes["trained"]
+        self.defaults = self.recipes[RECIPE]
         config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
         self.network = load_transformers_model(LlamaForCausalLM, config, safetensors_files(folder),
                                                device, dtype, device_map,
