@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .sampling import MIN_MASS, flush_negligible, race_top, residual, sample
@@ -37,6 +38,7 @@ class DraftTree:
     flat_source: torch.Tensor  # (T,) index into [tree candidates flattened, window tokens]
     children: torch.Tensor  # (T, branching) child node ids, -1 where absent
     ancestors: torch.Tensor  # (T, T) bool, ancestors and self
+    host_ancestors: np.ndarray  # the same on the host, for sessions (no read back)
     route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
     inner_nodes: torch.Tensor  # (I,) nodes whose children are K candidates (the PD tree's inside)
     inner_index: torch.Tensor  # (T,) position of each node in inner_nodes, -1 for the others
@@ -85,11 +87,11 @@ class DraftTree:
             level_nodes = new_level
             main.append(children[main[-1]][0])
         size = len(parent)
-        child_table = torch.full((size, branching), -1, dtype=torch.long)
+        child_table = np.full((size, branching), -1, dtype=np.int64)
         for node, kids in enumerate(children):
-            child_table[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-        ancestors = torch.zeros(size, size, dtype=torch.bool)
-        route = torch.zeros(size, window, dtype=torch.long)
+            child_table[node, : len(kids)] = kids
+        ancestors = np.zeros((size, size), dtype=bool)
+        route = np.zeros((size, window), dtype=np.int64)
         for node in range(size):
             walk = node
             while walk >= 0:
@@ -101,13 +103,16 @@ class DraftTree:
                 below = children[below][0] if children[below] else main[d]
                 route[node, d] = below
         inner = [node for node in range(size) if depth[node] < levels]
-        inner_index = torch.full((size,), -1, dtype=torch.long)
-        inner_index[inner] = torch.arange(len(inner))
-        to = dict(device=device)
-        return DraftTree(window, levels, branching, torch.tensor(parent, **to),
-                         torch.tensor(depth, **to), torch.tensor(source, **to).clamp_min(0),
-                         child_table.to(device), ancestors.to(device), route.to(device),
-                         torch.tensor(inner, dtype=torch.long, **to), inner_index.to(device))
+        inner_index = np.full(size, -1, dtype=np.int64)
+        inner_index[inner] = np.arange(len(inner))
+
+        def on_device(values) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
+
+        return DraftTree(window, levels, branching, on_device(parent), on_device(depth),
+                         on_device(np.maximum(source, 0)), on_device(child_table),
+                         torch.from_numpy(ancestors).to(device), ancestors, on_device(route),
+                         on_device(inner), on_device(inner_index))
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).
@@ -193,7 +198,6 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     first_column = slot % canvas.width == 0
     random_tokens = (uniforms * vocab).long().clamp_max(vocab - 1)
     uniform_q = state.q.new_full((1, 1, vocab), 1.0 / vocab)
-    one_hot = lambda codes: torch.nn.functional.one_hot(codes, vocab).to(state.q.dtype)  # noqa: E731
     if rule == "uniform":
         tokens, q, source = random_tokens, uniform_q.expand(batch, window, -1), UNIFORM_INIT
     else:
@@ -205,7 +209,7 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
                               positions, torch.zeros_like(positions))
         left = line.gather(1, sources.cummax(dim=1).values)[:, 1:]
         tokens = left
-        q = torch.where(first_column[..., None], uniform_q, one_hot(left))
+        q = torch.where(first_column[..., None], uniform_q, copy_proposal(left, vocab, state.q.dtype))
         source = torch.where(first_column, UNIFORM_INIT, LEFT_INIT)
         if rule in ("above", "above_target"):
             above_slot = slot - canvas.width
@@ -214,12 +218,12 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             committed_code = canvas.codes[canvas.row_start[:, None] + above_slot.clamp(0, canvas.slots)]
             in_window = state.tokens.gather(1, (offsets - canvas.width).clamp_min(0).expand(batch, -1))
             above = torch.where(above_committed, committed_code, in_window)
-            above_q = one_hot(above)
+            above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)
             if rule == "above_target":
                 column = canvas.column_targets.gather(
                     1, (slot % canvas.width)[..., None].expand(-1, -1, vocab))
-                drawn = sample(column, uniforms)
+                drawn, column = draw_from_target_above(column, uniforms)
                 above = torch.where(above_committed, drawn, above)
                 above_q = torch.where(above_committed[..., None], column, above_q)
                 above_source = torch.where(above_committed, ABOVE_TARGET_INIT, ABOVE_INIT)
@@ -229,6 +233,18 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     state.tokens = torch.where(fill, tokens, state.tokens)
     state.q = torch.where(fill[..., None], q, state.q)
     state.source = torch.where(fill, source, state.source).to(torch.int8)
+
+
+def copy_proposal(codes: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """The q of a draft that copies a code (``left``, ``above``): all mass on that code."""
+    return torch.nn.functional.one_hot(codes, vocab).to(dtype)
+
+
+def draw_from_target_above(column: torch.Tensor, uniforms: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``above_target``'s draft: a draw from the committed target of the slot above, and the
+    distribution to record as its q (that same target)."""
+    return sample(column, uniforms), column
 
 
 def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | None

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..messages import quote
@@ -101,6 +102,9 @@ class _Decoder:
         self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
                                if acceleration.init == "above_target" else None)
         self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)
+        self.one_host_node = np.ones((1, 1), dtype=bool)
+        self.ar_kinds = (torch.tensor(FORCED, dtype=torch.int8, device=device),
+                         torch.tensor(BONUS, dtype=torch.int8, device=device))
         self.iteration = 0
 
     # ------------------------------------------------------------------ steps
@@ -108,21 +112,18 @@ class _Decoder:
         """One node per row, its target sampled: plain autoregression."""
         uniforms = self.random.uniform(1)[:, 0]
         cond, uncond = self.session.forward(self.anchor[:, None], (self.committed - 1)[:, None],
-                                            self.one_node, self.done, self.recorder.clock.mark)
+                                            self.one_host_node, self.done,
+                                            self.recorder.clock.mark)
         target = process(cond[:, 0], None if uncond is None else uncond[:, 0], self.sampling)
         token = sample(target, uniforms)
         self.session.keep(self.one_node.expand(len(self.rows), 1))
-        kind = torch.where(target.amax(-1) >= _FORCED_MASS, FORCED, BONUS)
-        slot = self.committed[:, None]
-        self.codes.index_put_((self.row_start + self.committed,), token)
+        flat = self.row_start + self.committed
+        self.codes.index_put_((flat,), token)
         if self.column_targets is not None:
             self.column_targets[torch.arange(len(self.rows), device=self.device),
                                 self.committed % self.width] = target
-        self.recorder.entered_window(self.iteration, self.row_start[:, None] + slot)
-        self.recorder.committed_slots(self.iteration, self.row_start[:, None] + slot,
-                                      kind[:, None], torch.full_like(slot, float("nan"),
-                                                                     dtype=torch.float32),
-                                      torch.full_like(slot, NO_DRAFT, dtype=torch.int8))
+        forced = target.amax(-1) >= _FORCED_MASS
+        self.recorder.committed_slots(self.iteration, flat, torch.where(forced, *self.ar_kinds))
         self.committed += 1
         self.anchor = token
         self.state = None
@@ -147,11 +148,11 @@ class _Decoder:
             if tree.tree_levels else None)
         node_tokens[:, 0] = self.anchor
         node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
-        cond, uncond = self.session.forward(node_tokens, node_slots, tree.ancestors, self.done,
-                                            self.recorder.clock.mark)
+        cond, uncond = self.session.forward(node_tokens, node_slots, tree.host_ancestors,
+                                            self.done, self.recorder.clock.mark)
         target = process(cond, uncond, self.sampling)
         verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q,
-                              uniforms[:, :tests].view(batch, tree.size, tree.branching),
+                              uniforms[:, :tests].reshape(batch, tree.size, tree.branching),
                               uniforms[:, tests], self.rule)
 
         fed = tree.window
@@ -185,7 +186,7 @@ class _Decoder:
         stale = along_path.gather(1, new_offsets.clamp_max(fed - 1)[..., None]
                                   .expand(-1, -1, vocab))
         self.state = redraft(shifted, stale, has_target, settings,
-                             uniforms[:, draws_at:draws_at + 2 * window].view(batch, 2, window))
+                             uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous, self.done = self.done, self.committed.tolist()
         return [now - before for before, now in zip(previous, self.done)]
 

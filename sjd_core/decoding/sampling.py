@@ -28,9 +28,9 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     """
     logits = cond_logits.float()
     if uncond_logits is not None:
-        uncond = uncond_logits.float()
-        logits = uncond + settings.guidance * (logits - uncond)
-    logits = logits / settings.temperature
+        logits = torch.lerp(uncond_logits.float(), logits, settings.guidance)
+    if settings.temperature != 1.0:
+        logits = logits / settings.temperature
     vocab = logits.shape[-1]
     if 0 < settings.top_k < vocab:
         kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
@@ -97,25 +97,37 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
 class RowRandom:
     """One random stream per batch row, so a row's result depends only on its own seed.
 
-    Each iteration takes all its random numbers in one call (:meth:`uniform`), row by row from
-    that row's generator, in the same amount whatever the batch: image b of a batch is identical
-    to the same seed generated alone, also after other rows have finished (:meth:`retain`).
+    Each row draws its uniforms in blocks from its own generator and hands them out in order
+    (:meth:`uniform`); every row takes the same amount per iteration whatever the batch, so
+    image b of a batch is identical to the same seed generated alone, also after other rows have
+    finished (:meth:`retain`). Handing out a block's next numbers is one slice, whatever the
+    batch.
     """
+
+    block = 4096  # uniforms drawn per row at a time (more when one iteration needs more)
 
     def __init__(self, seeds: Sequence[int], device: torch.device) -> None:
         self.device = torch.device(device)
         self.generators = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        self.buffer = torch.empty(len(seeds), 0, device=self.device)
+        self.used = 0
 
     def uniform(self, count: int) -> torch.Tensor:
         """(B, count) uniforms in (0, 1] (never 0, so ``u * q <= p`` needs ``p > 0``)."""
-        out = torch.empty(len(self.generators), count, device=self.device)
-        for row, generator in zip(out, self.generators):
-            torch.rand(count, generator=generator, out=row)
-        return out.neg_().add_(1.0)
+        if self.used + count > self.buffer.shape[1]:
+            size = max(self.block, count)
+            fresh = torch.empty(len(self.generators), size, device=self.device)
+            for row, generator in zip(fresh, self.generators):
+                torch.rand(size, generator=generator, out=row)
+            self.buffer, self.used = fresh.neg_().add_(1.0), 0
+        out = self.buffer[:, self.used:self.used + count]
+        self.used += count
+        return out
 
     def retain(self, rows: Sequence[int]) -> None:
         """Keep the streams of these rows only (the others' images are finished)."""
         self.generators = [self.generators[row] for row in rows]
+        self.buffer = self.buffer[torch.tensor(list(rows), device=self.device)]
 
 
 def exponential(uniforms: torch.Tensor) -> torch.Tensor:

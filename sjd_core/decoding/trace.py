@@ -92,13 +92,21 @@ class TraceRecorder:
         self.entered.scatter_reduce_(0, index, value, reduce="amin")
 
     def committed_slots(self, iteration: int, flat_index: torch.Tensor, kinds: torch.Tensor,
-                        probability: torch.Tensor, sources: torch.Tensor) -> None:
-        """Record the slots committed this iteration (flat indices; the trash column where not)."""
+                        probability: torch.Tensor | None = None,
+                        sources: torch.Tensor | None = None) -> None:
+        """Record the slots committed this iteration (flat indices; the trash column where not).
+
+        Without ``probability`` and ``sources`` (plain autoregression: no draft was tested) the
+        slots keep NaN and "no draft"; a slot never recorded as fed counts as fed once, when it
+        was committed.
+        """
         index = flat_index.flatten()
         self.commit_iteration.index_fill_(0, index, iteration)
         self.kind.scatter_(0, index, kinds.flatten().to(torch.int8))
-        self.probability.scatter_(0, index, probability.flatten().float())
-        self.source.scatter_(0, index, sources.flatten())
+        if probability is not None:
+            self.probability.scatter_(0, index, probability.flatten().float())
+        if sources is not None:
+            self.source.scatter_(0, index, sources.flatten())
 
     def iteration_done(self, rows: list[int], accepted: list[int], shape: str) -> None:
         """Host-side record of one iteration: slots committed per image, and the shape fed."""
@@ -121,6 +129,7 @@ class TraceRecorder:
 
         commit = to_grid(self.commit_iteration)
         entered = to_grid(self.entered)
+        entered = np.where(entered == _NEVER, commit, entered)  # committed without being fed
         seconds = self.clock.phases(4)  # start, network start, network end, end
         iterations = len(self.committed)
         if seconds.shape[0] != iterations:

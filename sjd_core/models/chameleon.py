@@ -282,14 +282,21 @@ class ChameleonImageModel:
         first = int(ids[0])
 
         def code_logits(hidden: torch.Tensor) -> torch.Tensor:
+            if self._contiguous and isinstance(head, torch.nn.Linear):
+                # only the codebook's rows of the head: the rest of the vocabulary is never used
+                weight = head.weight[first:first + self.codebook_size]
+                bias = None if head.bias is None else head.bias[first:first + self.codebook_size]
+                return torch.nn.functional.linear(hidden, weight, bias)
             logits = head(hidden)
             if self._contiguous:
                 return logits[..., first:first + self.codebook_size]
-            return logits.index_select(-1, ids.to(logits.device))
+            return logits.index_select(-1, ids if ids.device == logits.device else ids.to(logits.device))
+
+        def embed_codes(codes: torch.Tensor) -> torch.Tensor:
+            return embed(ids[codes if codes.device == ids.device else codes.to(ids.device)])
 
         return DecoderParts(
-            backbone=self.model.model, embed_tokens=embed,
-            embed_codes=lambda codes: embed(ids[codes.to(ids.device)]),
+            backbone=self.model.model, embed_tokens=embed, embed_codes=embed_codes,
             code_logits=code_logits, row_end_id=self.row_end_id, device=self.device,
             dtype=self.model.dtype)
 

@@ -18,6 +18,8 @@ Node 0 of every forward is the last committed slot's node, and a node's slot is 
 slot plus the node's depth in the tree (sessions may rely on this to size structural tokens).
 
 ``ancestors[i, j]`` is True when node ``i`` may attend to fed node ``j`` (its ancestors and itself);
+it is a host (numpy) array, so that sessions need not read it back from the device (a tensor is
+accepted too and read once per distinct tree);
 every node also sees the whole cached prefix. A plain window is a chain (lower triangular); a draft
 tree of proactive drafting is a real tree. The adapter inserts structural tokens (row ends, ...)
 after the code nodes whose slot ends a row, and returns the output of the last token it fed for
@@ -50,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -91,7 +94,7 @@ class DecodingSession(Protocol):
     guided: bool  # True when forward returns unconditional logits too
 
     def forward(
-        self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+        self, codes: torch.Tensor, slots: torch.Tensor, ancestors: np.ndarray | torch.Tensor,
         committed: Sequence[int], mark: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` (B, T) at ``slots`` (B, T) with the (T, T) ``ancestors`` mask.

@@ -1,33 +1,43 @@
-"""Time the decoding core on a randomly initialised model of real size (one command, one GPU).
+"""Time the decoding on a randomly initialised model of real size: one command, one GPU, one table.
 
-    python -m sjd_core.tools.gpu_check            # Lumina-mGPT 7B layout, 768 px, bf16, CUDA
-    python -m sjd_core.tools.gpu_check --tiny     # the same layout at toy width, on the CPU
+    python -m sjd_core.tools.gpu_check                 # Lumina-mGPT 7B layout, 768 px, bf16, CUDA
+    python -m sjd_core.tools.gpu_check --json out.json # the table as JSON too
+    python -m sjd_core.tools.gpu_check --tiny          # the same layout at toy width, on the CPU
 
-Prints the time of a 1-token forward, a 64-slot window forward (crossing row ends), a proactive
-drafting tree forward (K=4 candidates, depth 3, plus the chain to the window), then runs AR and
-PAC+VP for a fixed number of iterations and splits their time into the model's forward, the
-cache compaction (``keep``) and everything else the engine does (drafting, verification,
-bookkeeping). Random weights say nothing about acceptance rates; this measures costs per
-iteration only.
+The model has Lumina-mGPT 7B's shape (32 layers, width 4096, the 65,536-token vocabulary with its
+8,192 image codes) with random weights, guidance on (a conditional and an unconditional row).
+Random weights say nothing about acceptance; the table measures costs:
+
+* the network's time for 1 fed token against 16, 34 (the PAC tree) and 64 nodes;
+* plain autoregression (the lean step): milliseconds per code;
+* PAC+VP and auto: milliseconds per iteration and codes per iteration;
+* the share of each run's time spent outside the network, timed with the session's marks around
+  the network (CUDA events, no synchronisation);
+* host reads per iteration (every value read back from the device), and peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from ..decoding.engine import generate
 from ..decoding.drafting import DraftTree
+from ..decoding.engine import generate
+from ..decoding.settings import AccelerationSettings, SamplingSettings
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
                                 synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
 from ..models.vqgan import VQGANConfig, VQGANDecoder
-from ..decoding.settings import AccelerationSettings, SamplingSettings
+
+PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
+RESOLUTION = (768, 768)
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,34 @@ class _WordTokenizer:
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
         return {"input_ids": [3] * len(text.split())}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts tensor operations that read values back to the host (or depend on them)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
+             "numpy", "__array__", "masked_select", "unique", "argwhere", "__len__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        boolean_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:]))
+        moves_to_host = name == "to" and any(str(a).startswith("cpu") for a in args[1:])
+        if name in self.READS or boolean_index or moves_to_host:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flatten(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flatten(item)
+        else:
+            yield item
 
 
 def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> ChameleonImageModel:
@@ -92,52 +130,70 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(model: ChameleonImageModel, slots: torch.Tensor, ancestors: torch.Tensor,
-                 repeats: int) -> float:
-    """Median seconds of one guided forward (cond + uncond rows) feeding ``slots`` from a prefix."""
-    session = model.start(GenerationRequest(prompt=PROMPT, guidance=3.0, resolution=(768, 768)))
+def time_forward(model: ChameleonImageModel, tree: DraftTree, repeats: int) -> float:
+    """Median seconds of one guided forward (cond + uncond rows) feeding ``tree`` after the
+    prefill (each forward thrown away again)."""
+    request = GenerationRequest(prompt=PROMPT, guidance=3.0, resolution=RESOLUTION,
+                                max_nodes=tree.size)
+    session = model.start(request)
     dev = model.device
-    codes = torch.randint(0, model.codebook_size, slots.shape, device=dev)
-    keep_none = torch.zeros(slots.shape, dtype=torch.bool, device=dev)
+    codes = torch.randint(0, model.codebook_size, (1, tree.size), device=dev)
+    slots = (tree.depth - 1)[None]
+    keep_none = torch.zeros(1, tree.size, dtype=torch.bool, device=dev)
     times = []
     for _ in range(repeats + 1):  # the first call warms up
         _sync(dev)
         start = time.perf_counter()
-        session.forward(codes, slots, ancestors, [0])
+        session.forward(codes, slots, tree.ancestors, [0])
         _sync(dev)
         times.append(time.perf_counter() - start)
         session.keep(keep_none)
     return statistics.median(times[1:])
 
 
-class _Timed:
-    """Wraps a model so its sessions add up prefill, forward and keep seconds (synchronised)."""
+class _NetworkClock:
+    """Sums the network's time from the marks a session makes around it (no synchronisation:
+    CUDA events, read once at the end; perf_counter on the CPU)."""
 
-    def __init__(self, model: ChameleonImageModel) -> None:
-        self.model, self.prefill_s, self.forward_s, self.keep_s = model, 0.0, 0.0, 0.0
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.marks = device.type == "cuda", []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        pairs = list(zip(self.marks[::2], self.marks[1::2]))
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
+        return sum(b - a for a, b in pairs)
+
+
+class _Marked:
+    """The model, with each session's network marks also going to a :class:`_NetworkClock`."""
+
+    def __init__(self, model: ChameleonImageModel, clock: _NetworkClock) -> None:
+        self.model, self.clock = model, clock
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
 
     def start(self, request: GenerationRequest):
-        _sync(self.model.device)
-        start = time.perf_counter()
-        session, outer = self.model.start(request), self
-        _sync(self.model.device)
-        self.prefill_s += time.perf_counter() - start
-        forward, keep = session.forward, session.keep
+        session, clock = self.model.start(request), self.clock
+        forward = session.forward
 
-        def timed(fn, attr):
-            def run(*args, **kwargs):
-                _sync(outer.model.device)
-                start = time.perf_counter()
-                out = fn(*args, **kwargs)
-                _sync(outer.model.device)
-                setattr(outer, attr, getattr(outer, attr) + time.perf_counter() - start)
-                return out
-            return run
+        def marked(codes, slots, ancestors, committed, mark=None):
+            def both() -> None:
+                clock.mark()
+                if mark is not None:
+                    mark()
+            return forward(codes, slots, ancestors, committed, both)
 
-        session.forward, session.keep = timed(forward, "forward_s"), timed(keep, "keep_s")
+        session.forward = marked
         return session
 
 
@@ -145,41 +201,88 @@ class _Stop(Exception):
     pass
 
 
-def run_engine(model: ChameleonImageModel, preset: str, iterations: int) -> dict:
-    """Run ``iterations`` engine iterations of ``preset`` (guided, 768 px); split the time."""
-    timed = _Timed(model)
-    committed = []
+def run_mode(model: ChameleonImageModel, preset: str, iterations: int) -> dict:
+    """``iterations`` engine iterations of ``preset`` (guided, 768 px) after the prefill: time
+    per iteration, codes per iteration, the share outside the network, host reads."""
+    clock = _NetworkClock(model.device)
+    marked, reads, seen = _Marked(model, clock), HostReads(), {}
 
     def stop(report) -> None:
-        committed[:] = report.committed
-        if report.iteration >= iterations:
+        if report.iteration == 1:  # measured from here: prefill and first iteration done
+            _sync(model.device)
+            seen.update(start=time.perf_counter(), reads=reads.count, marks=len(clock.marks),
+                        committed=report.committed[0])
+        elif report.iteration == iterations + 1:
+            seen.update(committed_end=report.committed[0], reads_end=reads.count,
+                        marks_end=len(clock.marks))
             raise _Stop
 
     sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
-    request = GenerationRequest(prompt=PROMPT, resolution=(768, 768))
-    _sync(model.device)
-    start = time.perf_counter()
+    request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
     try:
-        generate(timed, request, sampling, AccelerationSettings.preset(preset), seed=0, on_iteration=stop)
+        with reads:
+            generate(marked, request, sampling, AccelerationSettings.preset(preset), seed=0,
+                     on_iteration=stop)
     except _Stop:
         pass
     _sync(model.device)
-    total = time.perf_counter() - start
-    loop = total - timed.prefill_s
-    return {"iterations": iterations, "committed": committed[0], "prefill_s": timed.prefill_s,
-            "loop_s": loop, "forward_s": timed.forward_s, "keep_s": timed.keep_s,
-            "engine_s": loop - timed.forward_s - timed.keep_s}
+    loop = time.perf_counter() - seen["start"]
+    clock.marks = clock.marks[seen["marks"]:seen["marks_end"]]
+    network = clock.seconds()
+    return {"mode": preset, "iterations": iterations,
+            "ms_per_iteration": 1e3 * loop / iterations,
+            "codes_per_iteration": (seen["committed_end"] - seen["committed"]) / iterations,
+            "outside_share": max(0.0, 1 - network / loop),
+            "host_reads_per_iteration": (seen["reads_end"] - seen["reads"]) / iterations}
 
 
-PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
+def measure(size: Size, device: torch.device, dtype: torch.dtype, iterations: int,
+            repeats: int) -> dict:
+    """Every number of the table."""
+    built = time.perf_counter()
+    model = build_model(size, device, dtype)
+    table = {"model": f"Lumina-mGPT layout, {size.layers} layers x {size.hidden}, "
+                      f"{str(dtype).removeprefix('torch.')}, {device}, 768 px, guidance on",
+             "build_seconds": time.perf_counter() - built}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    shapes = {"1 token": DraftTree.build(1, 1, 1, device),
+              "16-node window": DraftTree.build(16, 1, 1, device),
+              "34-node PAC tree": DraftTree.build(16, 4, 3, device),
+              "64-node window": DraftTree.build(64, 1, 1, device)}
+    table["forward_ms"] = {name: 1e3 * time_forward(model, tree, repeats)
+                           for name, tree in shapes.items()}
+    table["runs"] = [run_mode(model, preset, iterations) for preset in ("ar", "pac+vp", "auto")]
+    table["ar_ms_per_code"] = table["runs"][0]["ms_per_iteration"]
+    table["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
+                                if device.type == "cuda" else None)
+    return table
+
+
+def format_table(table: dict) -> str:
+    lines = [f"model: {table['model']} (built in {table['build_seconds']:.1f} s)", "",
+             "| forward (network) | ms | x 1 token |", "| --- | ---: | ---: |"]
+    one = table["forward_ms"]["1 token"]
+    lines += [f"| {name} | {ms:.2f} | {ms / one:.2f} |" for name, ms in table["forward_ms"].items()]
+    lines += ["", "| mode | ms / iteration | codes / iteration | outside the network | "
+                  "host reads / iteration |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['mode']} | {r['ms_per_iteration']:.2f} | {r['codes_per_iteration']:.2f} | "
+              f"{100 * r['outside_share']:.1f}% | {r['host_reads_per_iteration']:.2f} |"
+              for r in table["runs"]]
+    lines += ["", f"plain autoregression: {table['ar_ms_per_code']:.2f} ms per code"]
+    if table["peak_memory_gib"] is not None:
+        lines.append(f"peak memory: {table['peak_memory_gib']:.1f} GiB")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.gpu_check",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy width on the CPU (a smoke test)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="engine iterations per mode (default 64 real, 8 tiny)")
+                        help="engine iterations per mode (default 48 real, 6 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of each forward")
+    parser.add_argument("--json", default=None, help="also write the table to this JSON file")
     args = parser.parse_args(argv)
     if args.tiny:
         device, dtype, size = torch.device("cpu"), torch.float32, TINY
@@ -189,34 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             print("No CUDA device: run with --tiny for the CPU smoke test.", file=sys.stderr)
             return 2
         device, dtype, size = torch.device("cuda"), torch.bfloat16, REAL
-    iterations = args.iterations or (8 if args.tiny else 64)
-    repeats = args.repeats or (3 if args.tiny else 10)
-
-    built = time.perf_counter()
-    model = build_model(size, device, dtype)
-    print(f"model: Lumina-mGPT layout, {size.layers} layers x {size.hidden}, {dtype}, {device}, "
-          f"768 px (48x48 codes + 48 row ends), guidance on (2 rows); built in "
-          f"{time.perf_counter() - built:.1f} s")
-    if device.type == "cuda":
-        print(f"memory after build: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB")
-
-    chain = lambda t: torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))  # noqa: E731
-    one = time_forward(model, torch.tensor([[-1]], device=device), chain(1), repeats)
-    window = time_forward(model, torch.arange(-1, 63, device=device)[None], chain(64), repeats)
-    tree = DraftTree.build(16, 4, 3, device)
-    pd = time_forward(model, (tree.depth - 1)[None], tree.ancestors, repeats)
-    print(f"forward, 1 token:            {one * 1e3:8.2f} ms")
-    print(f"forward, 64-slot window:     {window * 1e3:8.2f} ms")
-    print(f"forward, PD tree ({tree.size} nodes): {pd * 1e3:8.2f} ms  (K=4, depth 3, chain to 16)")
-    for preset in ("ar", "pac+vp"):
-        r = run_engine(model, preset, iterations)
-        per = 1e3 / r["iterations"]
-        print(f"{preset:7s} {r['iterations']} iterations, {r['committed']} slots committed "
-              f"(prefill {r['prefill_s'] * 1e3:.1f} ms): "
-              f"loop {r['loop_s'] * per:7.2f} ms/it = forward {r['forward_s'] * per:7.2f} + "
-              f"keep {r['keep_s'] * per:6.2f} + engine outside the forward {r['engine_s'] * per:6.2f}")
-    if device.type == "cuda":
-        print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+    table = measure(size, device, dtype, args.iterations or (6 if args.tiny else 48),
+                    args.repeats or (2 if args.tiny else 10))
+    print(format_table(table))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(table, handle, indent=1)
     return 0
 
 

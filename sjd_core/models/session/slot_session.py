@@ -28,7 +28,7 @@ from ..protocol import DecodingSession
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
-from .transfer import host_to_device, to_device
+from .transfer import host_to_device, host_to_device, to_device
 
 __all__ = ["Fed", "SlotSession"]
 
@@ -83,7 +83,7 @@ class SlotSession(DecodingSession):
         self._fed: Fed | None = None
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
-        self._tree: tuple | None = None  # (weakref to ancestors, its version, (depth, host, block))
+        self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
         self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
 
     # ------------------------------------------------------------------ what a model adds
@@ -123,7 +123,8 @@ class SlotSession(DecodingSession):
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
-    def forward(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
+    def forward(self, codes: torch.Tensor, slots: torch.Tensor,
+                ancestors: torch.Tensor | np.ndarray,
                 committed: Sequence[int], mark: Callable[[], None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``codes`` at ``slots`` (B, T) under the (T, T) ``ancestors`` mask; see the protocol."""
@@ -186,23 +187,29 @@ class SlotSession(DecodingSession):
                              "each row has committed.")
         return done if done.dtype == np.int64 else done.astype(np.int64)
 
-    def _tree_of(self, ancestors: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    def _tree_of(self, ancestors: torch.Tensor | np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
         """(depth (T,), host ancestors (T, T), the tree's mask values (1, T, T) on the device).
 
-        Read to the host once per distinct ancestors tensor (and again when it is changed in
-        place, which tensors made under inference mode do not record); a single node needs no read.
+        Host ancestors (a numpy array, as the engine passes them) need no read; a tensor is read
+        to the host once. Either way the result is kept per distinct tree (a tensor changed in
+        place is read again, unless made under inference mode, which does not record changes).
         """
-        version = None if ancestors.is_inference() else ancestors._version
-        known = self._tree
-        if known is not None and known[0]() is ancestors and known[1] == version:
-            return known[2]
-        if ancestors.shape[0] == 1:
+        version = None if isinstance(ancestors, np.ndarray) or ancestors.is_inference() \
+            else ancestors._version
+        for known in self._trees:
+            if known[0]() is ancestors and known[1] == version:
+                return known[2]
+        if isinstance(ancestors, np.ndarray):
+            host = ancestors.astype(bool)
+        elif ancestors.shape[0] == 1:
             host = np.ones((1, 1), dtype=bool)
         else:
             host = ancestors.to("cpu", torch.bool).numpy()
-        block = self.mask.values(ancestors.to(self.device, torch.bool))[None]
+        block = self.mask.values(host_to_device({"tree": host}, self.device)["tree"])[None]
         shape = (host.sum(1).astype(np.int64) - 1, host, block)
-        self._tree = (weakref.ref(ancestors), version, shape)
+        self._trees = [known for known in self._trees if known[0]() is not None][-15:]
+        self._trees.append((weakref.ref(ancestors), version, shape))
         return shape
 
     def _reserve(self, plan: FedLayout) -> None:
