@@ -12,6 +12,7 @@ Run with ``-s`` to see the p-values.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,9 @@ import torch
 from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
                        loop_verify_tree, sample_images, target_distribution, tiny_model,
                        tiny_sampling)
-from sjd_core.decoding import drafting, engine, verify
-from sjd_core.decoding.drafting import DraftTree, WindowState, add_candidates
+from sjd_core.decoding import drafting, engine, planner, verify
+from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
+                                        draw_from_target_above)
 from sjd_core.decoding.sampling import process, residual, sample
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
@@ -42,6 +44,8 @@ class Mode:
 
 VP = dict(verification_prediction=True, vp_rises=1, vp_top_k=4)
 PD = dict(proactive_drafting=True)
+AUTO = {key: value for key, value in AccelerationSettings.preset("auto").__dict__.items()
+        if key != "window"}
 # Add a mode here and it is distribution-tested; window >= depth for every tree.
 MODES = {
     "ar": Mode(dict(window=1), seed=101),
@@ -58,6 +62,10 @@ MODES = {
                                     adaptive_continuation=True), seed=110),
     "sjd+ac+pd+vp K3 D3, left init": Mode(dict(PD | VP, window=5, pd_candidates=3, pd_depth=3,
                                                adaptive_continuation=True, init="left"), seed=111),
+    "sjd, above init": Mode(dict(window=5, init="above"), seed=112),
+    "sjd+ac, above_target init": Mode(dict(window=3, init="above_target",
+                                           adaptive_continuation=True), seed=113),
+    "auto": Mode(dict(AUTO, window=6), seed=114),
 }
 
 
@@ -77,6 +85,7 @@ def joint(model):
 
 SEED_SPACING = 1_000_000  # row b of a run uses seed + b: runs this far apart share no stream
 POWER, CONTROL = 300_000, 600_000  # offsets of the power tests' and the controls' runs
+RANDOM_SHAPES = 900_000  # offset of the run of auto with shapes picked at random
 
 
 def p_value(model, joint, mode: str, samples: int = SAMPLES, seed_offset: int = 0) -> float:
@@ -194,6 +203,19 @@ def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
     assert value > PASS_P
 
 
+def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):
+    """``auto`` switches shapes between iterations (window length, tree on and off) with the
+    drafts carried over; here every iteration picks one of its shapes at random, so each
+    switch occurs many times in one run, and the output must still be the model's."""
+    picker = random.Random(115)
+    monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(plan.shapes))
+    draws = sample_images(model, tiny_sampling(), settings_of("auto"), SAMPLES,
+                          seed=MODES["auto"].seed * SEED_SPACING + RANDOM_SHAPES)
+    value = goodness_of_fit(draws, joint)
+    print(f"\ndistribution test, auto with shapes at random: p = {value:.3g} ({SAMPLES} samples)")
+    assert value > PASS_P
+
+
 def test_seeds_differ_per_mode():
     assert len({mode.seed for mode in MODES.values()}) == len(MODES)
 
@@ -213,7 +235,8 @@ def _verification_inputs(settings: AccelerationSettings, seed: int, batch: int =
 
     q = distributions(batch, settings.window)
     tokens = sample(q, 1 - torch.rand(batch, settings.window, generator=g))
-    state = WindowState(tokens, q, torch.zeros(batch, settings.window, dtype=torch.int8))
+    state = WindowState(tokens, q, torch.zeros(batch, settings.window, dtype=torch.int8),
+                        torch.ones(batch, settings.window, dtype=torch.bool))
     noise = -torch.log(1 - torch.rand(batch, max(tree.tree_levels, 1), vocab, generator=g))
     node_tokens, node_valid, _ = add_candidates(state, tree, noise if tree.tree_levels else None)
     node_tokens[:, 0] = 0
@@ -360,6 +383,23 @@ def last_accepted_child(monkeypatch):
                         lambda *args: loop_verify_tree(*args, take="last"))
 
 
+def target_above_recorded_as_uniform(monkeypatch):
+    """``above_target`` draws from the target above but leaves q at the uniform distribution."""
+
+    def forgetful(column, uniforms):
+        drawn, _ = draw_from_target_above(column, uniforms)
+        return drawn, torch.full_like(column, 1.0 / column.shape[-1])
+
+    monkeypatch.setattr(drafting, "draw_from_target_above", forgetful)
+
+
+def copy_recorded_as_uniform(monkeypatch):
+    """A draft that copies the code above (or left) is recorded as drawn uniformly."""
+    monkeypatch.setattr(drafting, "copy_proposal",
+                        lambda codes, vocab, dtype: torch.full((*codes.shape, vocab), 1.0 / vocab,
+                                                               dtype=dtype))
+
+
 BUGS = {
     "VP verified against p instead of q'": (vp_verified_against_p, "sjd+vp"),
     "siblings drawn from a residual": (siblings_from_a_residual, "sjd+ac+pd K4 D3, left init"),
@@ -369,6 +409,9 @@ BUGS = {
     "AC replacement drawn from the new target": (ac_replacement_from_target, "sjd+ac"),
     "siblings drawn with replacement": (siblings_with_replacement, "sjd+pd K4 D3"),
     "the last accepted child wins": (last_accepted_child, "sjd+pd K4 D3"),
+    "above_target's q left uniform": (target_above_recorded_as_uniform,
+                                      "sjd+ac, above_target init"),
+    "a copied code recorded as uniform": (copy_recorded_as_uniform, "sjd, above init"),
 }
 
 
@@ -383,7 +426,7 @@ def test_power_a_broken_variant_is_rejected(model, joint, monkeypatch, bug):
 
 
 def test_every_broken_variant_is_tested_in_a_tested_mode():
-    assert len(BUGS) >= 8 and all(mode in MODES for _, mode in BUGS.values())
+    assert len(BUGS) >= 10 and all(mode in MODES for _, mode in BUGS.values())
 
 
 def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):

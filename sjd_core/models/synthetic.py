@@ -82,6 +82,9 @@ class SyntheticSession(SlotSession):
         return self.model.head(hidden).float()
 
 
+RECIPE = "synthetic"  # the name of the model's one recipe
+
+
 class SyntheticModel(nn.Module):
     """Random causal transformer over ``codebook_size`` codes on a ``grid`` of slots.
 
@@ -116,7 +119,8 @@ class SyntheticModel(nn.Module):
         torch.random.set_rng_state(generator_state)
         self.device = torch.device(device)
         self.to(self.device).eval()
-        self.defaults = SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0)
+        self.recipes = {RECIPE: SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0)}
+        self.defaults = self.recipes[RECIPE]
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
         return [(self.grid[1], self.grid[0])]
