@@ -2,9 +2,10 @@
 
 The window holds, for offsets ``j = 0 .. W-1`` after the committed prefix, a draft token and the
 distribution ``q_j`` it was really drawn from. The verifier tests drafts against ``q_j``; keeping
-that pairing honest is what makes every mode here exact (``ALGORITHMS.md`` beside this file, the
-exactness lemma). An iteration may feed only the first ``L <= W`` offsets; the others keep their
-drafts. All functions work on whole (B, W, V) tensors: no loop over slots, no device reads.
+that pairing honest is what makes every mode here exact (``sjd_core/decoding/ALGORITHMS.md``,
+section 2, the exactness lemma). An iteration may feed only the first ``L <= W`` offsets; the
+others keep their drafts. All functions work on whole (B, W, V) tensors: no loop over slots, no
+device reads.
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     ``left``: the code to the left in the same row (the last committed code, an earlier draft or
     a copy of one), q one-hot (accepted with probability ``p(code)``); the first column falls
     back to uniform.
-    ``above``: the code above in the same column (committed, or the draft there), q one-hot; the
-    first row falls back to ``left``.
+    ``above``: the code above in the same column (committed, or the draft there, which when it is
+    made in the same call is its ``left`` draft), q one-hot; the first row falls back to ``left``.
     ``above_target``: a draw from the committed target of the slot above, q that target; where
     the slot above is not committed yet, ``above``; the first row falls back to ``left``.
     ``uniforms`` (B, W) in (0, 1] make the random draws. Other offsets keep their drafts.
@@ -216,7 +217,8 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             has_above = above_slot >= 0
             above_committed = above_slot < canvas.committed[:, None]
             committed_code = canvas.codes[canvas.row_start[:, None] + above_slot.clamp(0, canvas.slots)]
-            in_window = state.tokens.gather(1, (offsets - canvas.width).clamp_min(0).expand(batch, -1))
+            drafted = torch.where(fill, tokens, state.tokens)  # the slot above may be new too
+            in_window = drafted.gather(1, (offsets - canvas.width).clamp_min(0).expand(batch, -1))
             above = torch.where(above_committed, committed_code, in_window)
             above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)

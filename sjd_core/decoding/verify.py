@@ -1,8 +1,9 @@
 """Acceptance rules: the exact speculative test on a draft tree, and the relaxed LANTERN / GSD.
 
-Exact rule (ALGORITHMS.md): a draft ``x ~ q`` is accepted with probability ``min(1, p(x)/q(x))``,
-written ``u * q(x) <= p(x)`` with ``u`` uniform in (0, 1]; after a rejection the slot is drawn
-from ``norm(max(0, p - q))`` and the result is distributed exactly as ``p``.
+Exact rule (``sjd_core/decoding/ALGORITHMS.md``, section 2): a draft ``x ~ q`` is accepted with
+probability ``min(1, p(x)/q(x))``, written ``u * q(x) <= p(x)`` with ``u`` uniform in (0, 1];
+after a rejection the slot is drawn from ``norm(max(0, p - q))`` and the result is distributed
+exactly as ``p``.
 
 On a tree, each node's children are the ``K`` candidates of the next slot, drawn without
 replacement from that slot's q. They are tested in order by recursive rejection sampling without
