@@ -494,6 +494,7 @@ def test_bad_input_gives_a_clear_error_and_the_next_call_works(bench, case):
     with pytest.raises(case.error) as raised:
         case.call(bench)
     message = str(raised.value)
+    print(f"\n| {case.name} | {type(raised.value).__name__}: {' '.join(message.split())[:300]} |")
     assert type(raised.value) is case.error, f"{type(raised.value).__name__}: {message}"
     assert re.search(case.message, message, re.DOTALL), message
     assert len(message) < MAX_MESSAGE, f"{len(message)} characters"

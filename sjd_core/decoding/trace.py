@@ -24,7 +24,7 @@ _NEVER = 2**31 - 1
 TRACE_VERSION = 2
 
 
-class _Clock:
+class Clock:
     """Marks points in time without synchronising: CUDA events on a GPU, perf_counter elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
@@ -83,7 +83,7 @@ class TraceRecorder:
         self.committed: list[list[int]] = []  # per iteration, per image of the batch
         self.shape_index: list[int] = []
         self.shapes: list[str] = []
-        self.clock = _Clock(device)
+        self.clock = Clock(device)
 
     def entered_window(self, iteration: int, flat_index: torch.Tensor) -> None:
         """Slots (flat indices) fed in the window at ``iteration``."""

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from ..decoding.drafting import DraftTree
 from ..decoding.engine import generate
 from ..decoding.settings import AccelerationSettings, SamplingSettings
+from ..decoding.trace import Clock
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
                                 synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
@@ -151,20 +152,9 @@ def time_forward(model: ChameleonImageModel, tree: DraftTree, repeats: int) -> f
     return statistics.median(times[1:])
 
 
-class _NetworkClock:
+class _NetworkClock(Clock):
     """Sums the network's time from the marks a session makes around it (no synchronisation:
     CUDA events, read once at the end; perf_counter on the CPU)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.marks = device.type == "cuda", []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
 
     def seconds(self) -> float:
         pairs = list(zip(self.marks[::2], self.marks[1::2]))
