@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from ..sjd_core.decoding.trace import summary_text
-from ..sjd_core.tools.figures import UNITS, heatmap, histogram_figure, labelled_panel, value_range
+from ..sjd_core.tools.figures import (UNITS, heatmap, histogram_figure, labelled_panel, rule_legend,
+                                     rule_map, value_range)
 from . import comfy_bridge
 from .handles import TRACE_TYPE, SamplerTrace
 
@@ -24,13 +25,14 @@ class SJDDiagnostics:
     DESCRIPTION = ("Heatmaps of a sampler run: the step at which each code was committed (one "
                    "colour = one forward pass), how many steps each code waited in the window, and "
                    "the acceptance probability of the committed guess; the histogram of codes "
-                   "accepted per step; and a summary with NFE, step compression and speed-up.")
+                   "accepted per step; a summary with NFE, step compression and speed-up; and "
+                   "which rule made the guess tested for each code.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "diagnose"
     OUTPUT_NODE = True
-    RETURN_TYPES = ("IMAGE", "IMAGE", "IMAGE", "IMAGE", "STRING")
+    RETURN_TYPES = ("IMAGE", "IMAGE", "IMAGE", "IMAGE", "STRING", "IMAGE")
     RETURN_NAMES = ("commit_iteration", "iterations_in_window", "acceptance_probability",
-                    "accepted_lengths", "summary")
+                    "accepted_lengths", "summary", "draft_rule")
     OUTPUT_TOOLTIPS = (
         "Step at which each code was committed (dark = early); same colour = same forward pass. "
         "With a colour bar (step numbers).",
@@ -41,6 +43,9 @@ class SJDDiagnostics:
         "Histogram of codes accepted per step (x: codes accepted in one step, y: number of "
         "steps).",
         "NFE, step compression, speed-up and mode, as text.",
+        "Which rule made the guess that was tested for each code (uniform, copy of left or "
+        "above, drawn from the target above, kept or replaced by AC, drawn by VP, PD sibling), "
+        "one colour per rule, with a legend; grey: no guess was tested.",
     )
 
     @classmethod
@@ -74,11 +79,14 @@ class SJDDiagnostics:
         text = describe(summary, trace, baseline_trace)
         panels = [_panels(maps[key], key, title, image, blend) for key, title in MAPS]
         histogram = histogram_figure(summary["accepted_length_histogram"], summary["mode"])
+        rules = _rule_panels(maps["draft_source"], image, blend)
         tensors = [torch.from_numpy(np.stack([_floats(p) for p in rows])) for rows in panels]
         tensors.append(torch.from_numpy(_floats(histogram)[None]))
-        ui_images = comfy_bridge.save_previews([rows[0] for rows in panels] + [histogram],
+        rule_tensor = torch.from_numpy(np.stack([_floats(p) for p in rules]))
+        ui_images = comfy_bridge.save_previews([rows[0] for rows in panels] + [histogram, rules[0]],
                                                "sjd_diagnostics")
-        return {"ui": {"images": ui_images, "sjd_text": [text]}, "result": (*tensors, text)}
+        return {"ui": {"images": ui_images, "sjd_text": [text]},
+                "result": (*tensors, text, rule_tensor)}
 
 
 def _check_image(image: torch.Tensor, batch: int, height: int, width: int,
@@ -101,15 +109,17 @@ def _check_image(image: torch.Tensor, batch: int, height: int, width: int,
             "the same SJD Sampler.")
 
 
-def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float) -> np.ndarray:
-    """(B, H, W) slot values -> (B, h, w, 3) float RGB, over the image (scaled up) when given."""
+def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float,
+              paint=heatmap) -> np.ndarray:
+    """(B, H, W) slot values -> (B, h, w, 3) float RGB painted by ``paint(values, cell)``, over
+    the image (scaled up) when given."""
     batch, height, width = values.shape
     if image is None:
-        return heatmap(values, cell=max(1, -(-MIN_SIDE // max(height, width))))
+        return paint(values, cell=max(1, -(-MIN_SIDE // max(height, width))))
     pixel_h, pixel_w = image.shape[1:3]
     scale = max(1, -(-MIN_SIDE // max(pixel_h, pixel_w)))  # small images are shown enlarged
     size = (pixel_w * scale, pixel_h * scale)
-    rgb = heatmap(values, cell=max(1, -(-size[1] // height)))
+    rgb = paint(values, cell=max(1, -(-size[1] // height)))
     base = image[..., :3].float().clamp(0, 1).cpu().numpy()
     return np.stack([(blend * _resized(m, size) + (1.0 - blend) * _resized(b, size))
                      for m, b in zip(rgb, base)]).astype(np.float32)
@@ -121,6 +131,14 @@ def _panels(values: np.ndarray, key: str, title: str, image: torch.Tensor | None
     colour range is shared by the batch."""
     span = value_range(values)
     return [labelled_panel(row, title, span, UNITS[key]) for row in _draw_map(values, image, blend)]
+
+
+def _rule_panels(sources: np.ndarray, image: torch.Tensor | None, blend: float) -> list[Image.Image]:
+    """The draft-rule map of each batch row, over the image when given, with the legend of the
+    rules that occur in the batch."""
+    rgb = _draw_map(sources, image, blend, paint=rule_map)
+    legend = rule_legend(max(rgb.shape[2], 160), sources)
+    return [labelled_panel(row, "draft rule", None, None, legend) for row in rgb]
 
 
 def _floats(picture: Image.Image) -> np.ndarray:

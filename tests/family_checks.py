@@ -145,6 +145,10 @@ LOSSLESS_MODES = {
     "sjd+ac": AccelerationSettings(window=5, adaptive_continuation=True),
     "pac": AccelerationSettings.preset("pac", window=5, pd_candidates=3, pd_depth=3),
     "pac+vp": AccelerationSettings.preset("pac+vp", window=5, pd_candidates=3, pd_depth=3, vp_top_k=8),
+    "sjd+ac-above-target-init": AccelerationSettings(window=5, adaptive_continuation=True,
+                                                     init="above_target"),
+    "sjd-above-init": AccelerationSettings(window=5, init="above"),
+    "auto": AccelerationSettings.preset("auto", window=5),
 }
 
 

@@ -15,7 +15,8 @@ from sjd_core.tools.cli import default_threads
 from sjd_core.tools.reference import benchmark
 from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
                                    committed_together, heatmap, histogram_figure, image_grid,
-                                   labelled_panel)
+                                   labelled_panel, rule_legend, rule_map)
+from sjd_core.decoding.drafting import ABOVE_TARGET_INIT, AC_KEPT, LEFT_INIT, UNIFORM_INIT
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys)
     assert report["heatmap"] == str(tmp_path / "sneaker_heatmap.png")
     assert image.size == (260, 260)  # 32 px scaled 8x, 2 px border
     panel = labelled_panel(np.zeros((256, 256, 3)), "t", (0, 1), "u")
-    assert figure.size == (8 + 4 * (256 + 8), panel.height + 16)  # image + three maps
+    # the image, three maps and the draft rules (their legend may be taller than a colour bar)
+    assert figure.size[0] == 8 + 5 * (256 + 8) and figure.size[1] >= panel.height + 16
     assert report["ar_nfe"] == 256 and report["nfe"] < 256
     printed = capsys.readouterr()
     assert f"speed-up over AR: {report['speedup']:.2f}x wall-clock" in printed.out
@@ -133,6 +135,14 @@ def test_acceptance_figure_and_grid():
     figure = acceptance_figure(maps, image=np.zeros((8, 8, 3)), row=1, cell=40)
     panel = labelled_panel(np.zeros((160, 160, 3)), "t", (0, 1), "u")
     assert figure.size == (8 + 4 * (160 + 8), panel.height + 16)
+    sources = np.array([[[UNIFORM_INIT, LEFT_INIT], [ABOVE_TARGET_INIT, AC_KEPT]]] * 2)
+    with_rules = acceptance_figure({**maps, "draft_source": sources.repeat(2, 1).repeat(2, 2)},
+                                   row=1, cell=40)
+    assert with_rules.size[0] == 8 + 4 * (160 + 8)  # three maps and the draft rules
+    legend = rule_legend(160, sources)
+    assert legend.height > 4 * 16  # one line per rule that occurs (four)
+    rgb = rule_map(sources, cell=1)
+    assert len({tuple(c) for c in rgb[0].reshape(-1, 3)}) == 4  # a colour per rule
     with pytest.raises(ValueError, match="row=2 is not allowed"):
         acceptance_figure(maps, row=2)
     with pytest.raises(ValueError, match="lacks"):

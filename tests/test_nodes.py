@@ -36,6 +36,7 @@ from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
 from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
 from sjd_pack.nodes.handles import SamplingChoice  # noqa: E402
+from sjd_pack.nodes.widgets import OWN_WINDOW, default_mode  # noqa: E402
 from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
                                                  AccelerationSettings, SamplingSettings)
 from sjd_pack.sjd_core.models.protocol import SamplingDefaults  # noqa: E402
@@ -277,8 +278,9 @@ def test_sample_decode_diagnose(synthetic):
     assert large.shape == (1, GRID[0] * 8, GRID[1] * 8, 3)
     assert torch.equal(large[:, ::8, ::8], images) and torch.equal(large[:, 7::8, 7::8], images)
     out = Diagnostics().diagnose(trace, 0.5, images)
-    commit, waited, probability, histogram, text = out["result"]
+    commit, waited, probability, histogram, text, rules = out["result"]
     assert commit.shape == waited.shape == probability.shape
+    assert rules.shape[0] == 1 and rules.shape[-1] == 3 and float(rules.std()) > 0
     assert commit.shape[0] == 1 and commit.shape[2] == 256 and commit.shape[1] > 256 + 40
     assert histogram.shape[0] == 1 and histogram.shape[-1] == 3
     assert out["ui"]["images"] == []  # nowhere to show previews outside ComfyUI
@@ -529,7 +531,7 @@ def test_diagnostics_refuses_a_trace_or_image_from_another_run(synthetic):
 
 TEMPLATES = REPO / "workflows"  # one of the folder names ComfyUI's template browser reads
 TEXT_TO_IMAGE = "SJD text to image (reference)"
-AR_VS_PAC_VP = "SJD AR vs PAC+VP (reference)"
+AR_VS_AUTO = "SJD AR vs AUTO (reference)"
 FAMILY_TEMPLATES = ("SJD Lumina-mGPT text to image", "SJD Lumina-mGPT 2.0 text to image",
                     "SJD Emu3 text to image", "SJD Janus-Pro text to image",
                     "SJD LlamaGen class to image")
@@ -554,7 +556,7 @@ def saved_widgets(node: dict) -> dict:
 
 def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
     files = sorted(TEMPLATES.glob("*.json"))
-    assert sorted(f.stem for f in files) == sorted([TEXT_TO_IMAGE, AR_VS_PAC_VP, *FAMILY_TEMPLATES])
+    assert sorted(f.stem for f in files) == sorted([TEXT_TO_IMAGE, AR_VS_AUTO, *FAMILY_TEMPLATES])
     for path in files:
         # The current template browser shows a custom node's template under its file name, with
         # the .jpg of the same name as its thumbnail.
@@ -586,20 +588,21 @@ def test_template_category_is_named_after_the_pack():
         PACK_DIR_NAME: meta["tool"]["comfy"]["DisplayName"]}
 
 
-def test_reference_templates_use_the_embedded_model_the_advertised_modes_and_upscale_8():
+def test_reference_templates_use_the_embedded_model_the_default_mode_and_upscale_8():
     def nodes(name, kind):
         graph = json.loads((TEMPLATES / f"{name}.json").read_text())
         return [saved_widgets(n) for n in graph["nodes"] if n["type"] == kind]
 
-    for name in (TEXT_TO_IMAGE, AR_VS_PAC_VP):
+    for name in (TEXT_TO_IMAGE, AR_VS_AUTO):
         assert [n["model"] for n in nodes(name, "SJDModelLoader")] == [REFERENCE]
         assert {n["upscale"] for n in nodes(name, "SJDDecode")} == {"8"}
     (single,) = nodes(TEXT_TO_IMAGE, "SJDSamplerV2")
-    assert single["mode"] == "PAC+VP"
-    (options,) = nodes(TEXT_TO_IMAGE, "SJDAccelerationOptions")
-    assert options["relaxed"] == "none"
-    pair = nodes(AR_VS_PAC_VP, "SJDSamplerV2")
-    assert sorted(s["mode"] for s in pair) == ["AR", "PAC+VP"]
+    assert single["mode"] == default_mode() == "AUTO"
+    assert single["window"] == OWN_WINDOW  # the mode's own window: 32 for AUTO
+    assert nodes(TEXT_TO_IMAGE, "SJDAccelerationOptions") == []  # the mode alone decides
+    pair = nodes(AR_VS_AUTO, "SJDSamplerV2")
+    assert sorted(s["mode"] for s in pair) == ["AR", "AUTO"]
+    assert {s["window"] for s in pair} == {OWN_WINDOW}
     assert pair[0]["seed"] == pair[1]["seed"] and pair[0]["prompt"] == pair[1]["prompt"]
 
 

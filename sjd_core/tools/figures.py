@@ -7,14 +7,17 @@ as a ``cell`` x ``cell`` square; slots without a value (no draft was tested) are
 for grey; :func:`acceptance_figure` puts the image and three such panels side by side: *commit
 iteration* (the forward pass that committed each slot), *committed together* (how many slots that
 forward pass committed: bright bands are long accepted drafts) and *acceptance probability* (the
-verifier's probability of keeping the committed draft). :func:`histogram_figure` draws the
-accepted-length histogram with labelled axes.
+verifier's probability of keeping the committed draft), and *draft rule* (which rule made the
+draft that was tested for each slot, one colour per rule with a legend: :func:`rule_map`).
+:func:`histogram_figure` draws the accepted-length histogram with labelled axes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+
+from ..decoding.drafting import DRAFT_SOURCES, NO_DRAFT
 
 # Stops of a blue-green-yellow ramp that stays readable in grey and for common colour blindness.
 _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
@@ -32,6 +35,10 @@ UNITS = {
     "committed_together": "codes committed by that step",
     "acceptance_probability": "probability (0 to 1)",
 }
+# One colour per draft rule (DRAFT_SOURCES), told apart also in grey; no draft stays grey.
+RULE_COLOURS = np.array([[128, 128, 128], [230, 159, 0], [86, 180, 233], [0, 158, 115],
+                         [240, 228, 66], [0, 114, 178], [213, 94, 0], [204, 121, 167],
+                         [40, 40, 40], [140, 80, 30]], dtype=np.float32) / 255.0
 GREY = (128, 128, 128)
 GREY_LEGEND = "no draft tested"
 TEXT = (20, 20, 20)
@@ -123,19 +130,46 @@ def colour_bar(width: int, span: tuple[float, float] | None, unit: str) -> Image
     return strip
 
 
+def rule_map(sources: np.ndarray, cell: int = 16) -> np.ndarray:
+    """(B, H, W) draft-rule codes (``DRAFT_SOURCES``) -> (B, H*cell, W*cell, 3) float32 RGB, one
+    colour per rule (:data:`RULE_COLOURS`)."""
+    codes = np.clip(np.asarray(sources, dtype=np.int64), 0, len(RULE_COLOURS) - 1)
+    return RULE_COLOURS[codes].repeat(cell, axis=1).repeat(cell, axis=2)
+
+
+def rule_legend(width: int, sources: np.ndarray) -> Image.Image:
+    """A strip under a draft-rule map: a swatch and the name of every rule that occurs in it."""
+    present = [code for code in DRAFT_SOURCES if (np.asarray(sources) == code).any()]
+    size = _text_size(width)
+    face = font(size)
+    line = size + 4
+    rows = max(len(present), 1)
+    strip = Image.new("RGB", (width, rows * line + 12), (255, 255, 255))
+    draw = ImageDraw.Draw(strip)
+    for row, code in enumerate(present):
+        top = 4 + row * line
+        colour = tuple(int(c * 255 + 0.5) for c in RULE_COLOURS[code])
+        draw.rectangle([2, top + 1, line - 2, top + line - 3], fill=colour, outline=TEXT)
+        name = GREY_LEGEND if code == NO_DRAFT else DRAFT_SOURCES[code]
+        draw.text((line + 2, top), name, fill=TEXT, font=face)
+    return strip
+
+
 def labelled_panel(picture: np.ndarray | Image.Image, title: str,
-                   span: tuple[float, float] | None, unit: str | None) -> Image.Image:
+                   span: tuple[float, float] | None, unit: str | None,
+                   legend: Image.Image | None = None) -> Image.Image:
     """A map picture with its title above and :func:`colour_bar` below (``unit=None``: a picture
-    that is no map, with blank space where the bar would be, so panels line up)."""
+    that is no map, with blank space where the bar would be, so panels line up); ``legend``
+    replaces the colour bar (a map of categories, :func:`rule_legend`)."""
     tile = picture if isinstance(picture, Image.Image) else _to_pil(picture)
     width = max(tile.width, 160)
     face = font(_text_size(width) + 1)
     title_height = _text_size(width) + 8
-    bar = colour_bar(width, span, unit or "")
+    bar = legend if legend is not None else colour_bar(width, span, unit or "")
     canvas = Image.new("RGB", (width, title_height + tile.height + bar.height), (255, 255, 255))
     ImageDraw.Draw(canvas).text((2, 2), title, fill=TEXT, font=face)
     canvas.paste(tile, ((width - tile.width) // 2, title_height))
-    if unit is not None:
+    if unit is not None or legend is not None:
         canvas.paste(bar, (0, title_height + tile.height))
     return canvas
 
@@ -143,7 +177,8 @@ def labelled_panel(picture: np.ndarray | Image.Image, title: str,
 def acceptance_figure(slot_maps: dict[str, np.ndarray], image: np.ndarray | None = None,
                       row: int = 0, cell: int = 16) -> Image.Image:
     """One picture for batch row ``row``: the image (if given), then the maps of :data:`PANELS`,
-    each with its title, colour bar, unit and grey legend.
+    each with its title, colour bar, unit and grey legend, and the draft-rule map with its legend
+    when ``slot_maps`` holds ``draft_source``.
 
     ``image`` is (height, width, 3) floats in [0, 1] (one row of the decoded batch); it is scaled
     with nearest-neighbour to the heatmaps' size.
@@ -161,6 +196,11 @@ def acceptance_figure(slot_maps: dict[str, np.ndarray], image: np.ndarray | None
         values = np.asarray(maps[key], dtype=np.float64)[row:row + 1]
         tiles.append(labelled_panel(heatmap(values, cell)[0], title, value_range(values),
                                     UNITS[key]))
+    if "draft_source" in slot_maps:
+        sources = np.asarray(slot_maps["draft_source"])[row:row + 1]
+        picture = rule_map(sources, cell)[0]
+        tiles.append(labelled_panel(picture, "draft rule", None, None,
+                                    rule_legend(max(picture.shape[1], 160), sources)))
     if image is not None:
         picture = _to_pil(np.asarray(image)).resize(size, Image.NEAREST)
         tiles.insert(0, labelled_panel(picture, "image", None, None))
