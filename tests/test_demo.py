@@ -176,3 +176,12 @@ def test_histogram_has_bars_and_labelled_axes():
     assert teal.sum() > 500 and not (np.abs(empty.astype(int) - (33, 145, 140)).max(axis=-1) == 0).any()
     dark = (full.min(axis=-1) < 100)
     assert dark[:, :20].any() and dark[-22:].any()  # text of the y and x axis labels
+
+
+def test_reference_benchmark_lists_how_often_each_draft_rule_passed():
+    rows = [{"mode": "AR", "drafts": {"drawn by VP": (0, 0)}},
+            {"mode": "PAC+VP", "drafts": {"drawn by VP": (40, 10), "drawn from target": (20, 15),
+                                          "PD sibling": (0, 0)}}]
+    assert benchmark.draft_rules(rows) == (
+        "  PAC+VP: drawn by VP 10/40 (25%); drawn from target 15/20 (75%)")
+

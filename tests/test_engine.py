@@ -191,6 +191,11 @@ def test_trace_records_and_round_trips(model):
     assert restored.summary() == summary
     json.loads(trace.to_json())  # plain JSON, NaN written as null
     assert set(COMMIT_KINDS.values()) >= set(summary["commit_kinds"])
+    tested, passed = summary["drafts_tested"], summary["draft_sources"]
+    assert all(passed[rule] <= tested[rule] for rule in tested)
+    kinds = summary["commit_kinds"]
+    assert sum(passed.values()) == kinds["draft accepted"]
+    assert sum(tested.values()) == kinds["draft accepted"] + kinds["residual draw"]
     with pytest.raises(ValueError, match="not a trace"):
         Trace.from_json('{"meta": {}}')
 

@@ -18,7 +18,7 @@ import torch
 
 from ..messages import quote
 from .drafting import DRAFT_SOURCES
-from .verify import ACCEPTED, COMMIT_KINDS
+from .verify import ACCEPTED, COMMIT_KINDS, RESIDUAL
 
 _NEVER = 2**31 - 1
 TRACE_VERSION = 2
@@ -219,6 +219,9 @@ class Trace:
                        for index, shape in enumerate(self.meta.get("shapes", []))},
             "draft_sources": {name: int(((self.draft_source == code)
                                          & (self.commit_kind == ACCEPTED)).sum())
+                              for code, name in DRAFT_SOURCES.items() if code},
+            "drafts_tested": {name: int(((self.draft_source == code)
+                                         & np.isin(self.commit_kind, (ACCEPTED, RESIDUAL))).sum())
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
         }

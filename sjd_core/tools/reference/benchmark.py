@@ -143,6 +143,11 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
             "top1": float(np.concatenate([s[1] for s in stats]).mean()),
             "accuracy": quality["accuracy"], "feature_distance": quality["feature_distance"],
         }
+        row["drafts"] = {name: (sum(part_summary["drafts_tested"][name] for part in parts
+                                    for part_summary in part["summaries"]),
+                                sum(part_summary["draft_sources"][name] for part in parts
+                                    for part_summary in part["summaries"]))
+                         for name in parts[0]["summaries"][0]["drafts_tested"]}
         if ar_features is None:
             ar_features, ar_seconds = features, seconds
             row["p_vs_ar"] = None
@@ -172,6 +177,19 @@ def table(rows: list[dict]) -> str:
         "p vs AR": "-" if row["p_vs_ar"] is None else f"{row['p_vs_ar']:.3f}",
     } for row in rows]
     return format_table(cells, COLUMNS)
+
+
+def draft_rules(rows: list[dict]) -> str:
+    """For the rows with VP or an above rule: how often the test that decided a committed slot
+    passed, by the rule that made the draft (passed / tested)."""
+    lines = []
+    for row in rows:
+        if "VP" not in row["mode"] and "above" not in row["mode"]:
+            continue
+        parts = [f"{name} {passed}/{tested} ({100 * passed / tested:.0f}%)"
+                 for name, (tested, passed) in row["drafts"].items() if tested]
+        lines.append(f"  {row['mode']}: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def window_sweep(model: ImageTokenModel, sampling: SamplingSettings, per_class: int,
@@ -273,6 +291,8 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
         print(f"\nmean top-1 probability of the target (AR images): {rows[0]['top1']:.3f}; "
               f"feature distance of {count} real test images (the floor at this count): "
               f"{real_floor(probe, count, seed=args.seed):.2f}")
+        print("\ndecisive tests passed, by the rule that made the draft:")
+        print(draft_rules(rows))
         print("\nAC+above by window length: " + ", ".join(
             f"window {row['window']}: mean accepted length {row['mean_accepted_length']:.2f} "
             f"({row['step_compression']:.2f}x)" for row in sweeps[name]))
