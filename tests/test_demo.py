@@ -181,7 +181,7 @@ def test_histogram_has_bars_and_labelled_axes():
 def test_reference_benchmark_lists_how_often_each_draft_rule_passed():
     rows = [{"mode": "AR", "drafts": {"drawn by VP": (0, 0)}},
             {"mode": "PAC+VP", "drafts": {"drawn by VP": (40, 10), "drawn from target": (20, 15),
-                                          "PD sibling": (0, 0)}}]
+                                          "PD sibling": (5, 5)}}]
     assert benchmark.draft_rules(rows) == (
         "  PAC+VP: drawn by VP 10/40 (25%); drawn from target 15/20 (75%)")
 

@@ -61,6 +61,9 @@ def test_linear_layers_hold_quantised_weights(models):
 def test_weight_memory_shrinks(models):
     """Measured bytes of the transformer layers (linear weights, scales, norms) against bfloat16."""
     size = {name: stored_bytes(models[name].model.model.layers) for name in ("bf16", "int8", "int4")}
+    print(f"\nlayer bytes: bf16 {size['bf16']}, int8 {size['int8']} "
+          f"({size['bf16'] / size['int8']:.2f}x smaller), int4 {size['int4']} "
+          f"({size['bf16'] / size['int4']:.2f}x smaller)")
     assert size["bf16"] / size["int8"] >= 1.8
     assert size["bf16"] / size["int4"] >= 3.0
 
@@ -70,6 +73,8 @@ def test_logits_stay_close_to_the_unquantised_model(models, weights):
     reference = window_logits(models["fp32"])
     quantised = window_logits(models[weights])
     error = float((quantised - reference).abs().max() / reference.abs().max())
+    print(f"\n{weights}: largest logit error / largest logit = {error:.4f} "
+          f"(tolerance {TOLERANCE[weights]})")
     assert 0.0 < error <= TOLERANCE[weights]
 
 

@@ -181,13 +181,18 @@ def table(rows: list[dict]) -> str:
 
 def draft_rules(rows: list[dict]) -> str:
     """For the rows with VP or an above rule: how often the test that decided a committed slot
-    passed, by the rule that made the draft (passed / tested)."""
+    passed, by the rule that made the draft (passed / tested). PD siblings are left out: a
+    sibling decides a slot only when it passes (after a rejected sibling the slot's residual
+    draw is recorded with the first candidate's rule)."""
+    from ...decoding.drafting import DRAFT_SOURCES, PD_SIBLING
+
     lines = []
     for row in rows:
         if "VP" not in row["mode"] and "above" not in row["mode"]:
             continue
         parts = [f"{name} {passed}/{tested} ({100 * passed / tested:.0f}%)"
-                 for name, (tested, passed) in row["drafts"].items() if tested]
+                 for name, (tested, passed) in row["drafts"].items()
+                 if tested and name != DRAFT_SOURCES[PD_SIBLING]]
         lines.append(f"  {row['mode']}: " + "; ".join(parts))
     return "\n".join(lines)
 
