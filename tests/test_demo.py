@@ -1,5 +1,6 @@
 """The command-line tools (demo, benchmarks) and the heatmap pictures they draw."""
 
+import json
 import subprocess
 import sys
 import time
@@ -106,8 +107,9 @@ def test_help_answers_without_importing_torch(module):
     assert seconds < 2.0, f"{module} --help took {seconds:.1f} s"
 
 
-def test_benchmarks_show_a_progress_bar_per_image(capsys):
-    records = bench.main(["--images", "2", "--modes", "AR", "--threads", "1"])
+def test_benchmarks_show_a_progress_bar_per_image(capsys, tmp_path):
+    records = bench.main(["--images", "2", "--modes", "AR", "--threads", "1",
+                          "--json", str(tmp_path / "bench.json")])
     captured = capsys.readouterr()
     bars = captured.err.replace("\r", "\n")
     assert "AR 't-shirt' seed 0: 100%" in bars and "AR 'trouser' seed 1: 100%" in bars
@@ -115,6 +117,11 @@ def test_benchmarks_show_a_progress_bar_per_image(capsys):
     assert "image 2/2" in captured.out  # the progress line
     assert [r["mode"] for r in records] == ["transformers generate()", "AR"]
     assert all(r["speedup_vs_ar"] > 0 for r in records)
+    written = json.loads((tmp_path / "bench.json").read_text())  # strict JSON: no NaN
+    assert written == records
+    assert set(written[1]) == {"mode", "nfe_per_image", "seconds_per_image", "speedup_vs_ar",
+                               "step_compression", "outside_forward_share"}
+    assert written[0]["outside_forward_share"] is None and 0 < written[1]["outside_forward_share"] < 1
 
 
 def test_colour_ramp_and_heatmap_layout():
