@@ -35,10 +35,10 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
              "from what the model predicted for the code above. All lossless.", None, None,
              None),
     "adaptive_continuation": ("AC: after a rejection, keep later guesses that still fit. "
-                              "Lossless. 'as mode' follows the sampler's mode (on in PAC and "
-                              "PAC+VP).", None, None, None),
+                              "Lossless. 'as mode' follows the sampler's mode (on in AUTO, PAC "
+                              "and PAC+VP).", None, None, None),
     "proactive_drafting": ("PD: try K alternatives for the first D-1 window slots as a tree. "
-                           "Lossless. 'as mode' follows the sampler's mode (on in PAC and "
+                           "Lossless. 'as mode' follows the sampler's mode (on in AUTO, PAC and "
                            "PAC+VP).", None, None, None),
     "pd_candidates": ("K: alternatives per slot in the proactive-drafting tree.", 1, 16, 1),
     "pd_depth": ("D: depth of the proactive-drafting tree, counting the root; at most the "

@@ -267,7 +267,7 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
         seen["old_workflow_nodes"] = page.evaluate("window.app.graph._nodes.map((n) => n.type)"
                                                    ".sort()")
 
-        diagnostics = json.loads((TEMPLATES / "SJD AR vs PAC+VP (reference).json").read_text())
+        diagnostics = json.loads((TEMPLATES / "SJD AR vs AUTO (reference).json").read_text())
         load(page, diagnostics)
         diagnostics_id = [n["id"] for n in diagnostics["nodes"] if n["type"] == "SJDDiagnostics"]
         before = {node_id: shown_image(page, node_id) for node_id in diagnostics_id}

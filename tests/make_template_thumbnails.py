@@ -1,7 +1,7 @@
 """Write the template browser's thumbnails, ``workflows/<template>.jpg``.
 
 The reference-model templates are run in a real ComfyUI (tests/comfyui_harness.py) and their
-thumbnail is what they drew: the saved image, or for the AR vs PAC+VP template both images side
+thumbnail is what they drew: the saved image, or for the AR vs AUTO template both images side
 by side, labelled. The family templates need checkpoints that cannot be shipped, so theirs is a
 labelled card: the family, what the template does, and where the checkpoint goes.
 
@@ -50,7 +50,7 @@ def family_card(family: str, what: str, folder: str) -> Image.Image:
                  if draw.textlength(family, font=font(size)) <= SIZE - 48)  # 24 px margins
     draw.text((24, 60), family, fill=(240, 240, 240), font=title)
     draw.text((24, 130), what, fill=(200, 200, 200), font=font(20))
-    draw.text((24, 165), "PAC+VP: lossless, fewer forward passes", fill=TEAL, font=font(18))
+    draw.text((24, 165), "AUTO: lossless, fewer forward passes", fill=TEAL, font=font(18))
     draw.text((24, 270), "needs the checkpoint in", fill=(170, 170, 170), font=font(16))
     draw.text((24, 295), folder, fill=(230, 230, 230), font=font(16))
     return card
@@ -90,9 +90,9 @@ def main() -> None:
         only = next(iter(single.values()))
         only.resize((SIZE, SIZE), Image.NEAREST).save(
             TEMPLATES / "SJD text to image (reference).jpg", quality=92)
-        pair = saved_images(server, "SJD AR vs PAC+VP (reference)")
-        side_by_side(pair["sjd_ar"], pair["sjd_pac_vp"], ("AR", "PAC+VP")).save(
-            TEMPLATES / "SJD AR vs PAC+VP (reference).jpg", quality=92)
+        pair = saved_images(server, "SJD AR vs AUTO (reference)")
+        side_by_side(pair["sjd_ar"], pair["sjd_auto"], ("AR", "AUTO")).save(
+            TEMPLATES / "SJD AR vs AUTO (reference).jpg", quality=92)
     for name, card in FAMILY_CARDS.items():
         family_card(*card).save(TEMPLATES / f"{name}.jpg", quality=92)
     print("\n".join(sorted(str(p) for p in TEMPLATES.glob("*.jpg"))))

@@ -47,12 +47,12 @@ def test_template_runs_and_the_chart_counts_each_step_once(seen):
     assert run["image"]["type"] == "output" and run["image"]["filename"].endswith(".png")
     assert "forward passes for 256 codes" in run["chart"]
     assert run["chart_after_cached_rerun"].startswith("cached (inputs unchanged)")
-    assert run["first_step"].startswith("SJD+AC+PD+VP: step 1, ")
+    assert run["first_step"].startswith("AUTO: step 1, ")
     steps = int(run["chart"].split(":")[1].split("forward passes")[0])
-    assert run["last_step"].startswith(f"SJD+AC+PD+VP: step {steps}, 256/256 codes")
+    assert run["last_step"].startswith(f"AUTO: step {steps}, 256/256 codes")
     assert run["finishes"] == 1
     if vue:
-        assert seen["vue_nodes"] == 6  # every node of the template drawn as a DOM element
+        assert seen["vue_nodes"] == 5  # every node of the template drawn as a DOM element
     assert seen["page_errors"] == []
 
 
@@ -108,5 +108,5 @@ def test_template_browser_shows_titles_thumbnails_and_loads_a_card(seen):
     names = sorted(p.stem for p in TEMPLATES.glob("*.json"))
     assert browser["titles"] == names
     assert all(browser["thumbnails"].get(name) for name in names), browser["thumbnails"]
-    assert browser["loaded"] == ["Note", "SJDAccelerationOptions", "SJDDecode",
-                                 "SJDModelLoader", "SJDSamplerV2", "SaveImage"]
+    assert browser["loaded"] == ["Note", "SJDDecode", "SJDModelLoader", "SJDSamplerV2",
+                                 "SaveImage"]

@@ -18,7 +18,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
-from test_nodes import (AR_VS_PAC_VP, FAMILY_TEMPLATES, TEXT_TO_IMAGE,  # noqa: E402
+from test_nodes import (AR_VS_AUTO, FAMILY_TEMPLATES, TEXT_TO_IMAGE,  # noqa: E402
                         pack)  # the pack imported as a package, as ComfyUI does
 
 WORKFLOWS = REPO / "workflows"
@@ -93,7 +93,7 @@ def test_text_to_image_workflow_runs(server, object_info):
     assert [m["type"] for m in listener.events].count("sjd.done") == 0
     executed = [m for m in listener.of("executed") if m["node"] == sampler]
     assert len(executed) == 1 and executed[0]["output"] == shown
-    assert summary["mode"] == "SJD+AC+PD+VP" and summary["lossless"]
+    assert summary["mode"] == "AUTO" and summary["lossless"]
     assert summary["slots_per_image"] == REFERENCE_CODES
     assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
     progress = [m for m in listener.of("sjd.progress") if m["node"] == sampler]
@@ -112,14 +112,14 @@ def test_text_to_image_workflow_runs(server, object_info):
     assert np.array_equal(pixels[::8, ::8], pixels[7::8, 7::8])  # nearest neighbour
 
 
-def test_ar_and_pac_vp_side_by_side(server, object_info):
-    prompt = ui_to_api(workflow(AR_VS_PAC_VP), object_info)
+def test_ar_and_auto_side_by_side(server, object_info):
+    prompt = ui_to_api(workflow(AR_VS_AUTO), object_info)
     entry = run(server, prompt)
     summaries = {s["mode"]: s for s in (entry["outputs"][n]["sjd_summary"][0]
                                         for n in nodes_of(prompt, "SJDSamplerV2"))}
-    assert set(summaries) == {"AR", "SJD+AC+PD+VP"}
+    assert set(summaries) == {"AR", "AUTO"}
     assert summaries["AR"]["nfe"] == REFERENCE_CODES
-    assert summaries["SJD+AC+PD+VP"]["nfe"] < REFERENCE_CODES
+    assert summaries["AUTO"]["nfe"] < REFERENCE_CODES
     seeds = {prompt[n]["inputs"]["seed"] for n in nodes_of(prompt, "SJDSamplerV2")}
     assert len(seeds) == 1
     for node in nodes_of(prompt, "SaveImage"):
@@ -127,7 +127,7 @@ def test_ar_and_pac_vp_side_by_side(server, object_info):
     texts = []
     for node in nodes_of(prompt, "SJDDiagnostics"):
         shown = entry["outputs"][node]
-        assert len(shown["images"]) == 4  # three heatmaps and the histogram
+        assert len(shown["images"]) == 5  # three heatmaps, the histogram, the draft rules
         heat = fetch_image(server, shown["images"][0])
         assert heat.shape[1] == 256 and heat.shape[0] > 256  # map over the image + colour bar
         texts.append(shown["sjd_text"][0])
