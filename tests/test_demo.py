@@ -74,7 +74,7 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("tool, argv, expected", [
     (demo, ["--prompt", "spaceship", "--no-baseline"], "prompt='spaceship' names no known class"),
-    (demo, ["--window", "0", "--no-baseline"], "window=0 is not allowed"),
+    (demo, ["--window", "-1", "--no-baseline"], "window=-1 is not allowed"),
     (demo, ["--batch", "0"], "--batch=0 is not allowed"),
     (demo, ["--mode", "fastest"], "argument --mode: invalid choice: 'fastest'"),
     (bench, ["--modes", "AR,turbo"], "--modes='AR,turbo' is not allowed: ['turbo']"),
@@ -192,3 +192,9 @@ def test_reference_benchmark_lists_how_often_each_draft_rule_passed():
     assert benchmark.draft_rules(rows) == (
         "  PAC+VP: drawn by VP 10/40 (25%); drawn from target 15/20 (75%)")
 
+
+@pytest.mark.parametrize("mode, window", [("auto", 32), ("pac", 16)])
+def test_demo_window_0_is_the_modes_own(tmp_path, capsys, mode, window):
+    demo.main(["--prompt", "bag", "--mode", mode, "--no-baseline", "--out", str(tmp_path),
+               "--threads", "1"])
+    assert f"(window {window}, " in capsys.readouterr().out

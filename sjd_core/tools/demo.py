@@ -52,9 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"(default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--mode", default=DEFAULT_PRESET, choices=PRESETS,
                         help="accelerated mode to run (default: %(default)s)")
-    parser.add_argument("--window", type=int, default=AccelerationSettings.window,
-                        help="slots drafted per forward pass (default: %(default)s; "
-                             "ignored by --mode ar)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="the longest window of slots fed per forward pass (default 0: the "
+                             "mode's own, 32 for auto and 16 for the others; ignored by "
+                             "--mode ar)")
     parser.add_argument("--batch", type=int, default=1, help="images per prompt (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed; image b uses seed + b")
     parser.add_argument("--guidance", type=float, default=None,
@@ -138,7 +139,7 @@ def _run(args: argparse.Namespace) -> dict:
     model = load_model(args.model or WEIGHTS_DIR, device=args.device)
     sampling = sampling_settings(model, args)
     fast = AccelerationSettings.preset(args.mode)
-    if fast.window > 1:
+    if fast.window > 1 and args.window != 0:
         fast = AccelerationSettings.preset(args.mode, window=args.window)
     baseline = AccelerationSettings.preset("ar")
     compare = not args.no_baseline and fast != baseline
