@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,22 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.pack import REPO, import_pack
 
-
-def _import_pack():
-    """The repository imported as one package, the way ComfyUI imports a custom node folder."""
-    name = "sjd_pack"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py",
-                                                      submodule_search_locations=[str(REPO)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pack = _import_pack()
+pack = import_pack()
 from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
