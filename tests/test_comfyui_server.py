@@ -215,6 +215,10 @@ import sys
 sys.argv = ["main.py", "--cpu"]
 sys.path.insert(0, {comfyui!r})
 sys.path.insert(0, {tests!r})
+import types
+tests_package = types.ModuleType("tests")  # ComfyUI's own tests folder would answer to "tests"
+tests_package.__path__ = [{tests!r}]
+sys.modules["tests"] = tests_package
 import comfy.options
 comfy.options.enable_args_parsing()  # as main.py does, so that --cpu is read
 import comfy.model_management as mm
