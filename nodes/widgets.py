@@ -71,6 +71,14 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                        "acceptance it measured; the sampler's window is then the longest it may "
                        "use. Lossless. 'as mode' follows the sampler's mode (on in AUTO).", None,
                        None, None),
+    "adaptive_tree": ("AUTO with PD: try every tree up to K candidates and depth D, with fewer "
+                      "candidates where guesses pass more often, and feed the one expected to "
+                      "pay most; off: only the full K x D tree. Lossless. 'as mode' follows the "
+                      "sampler's mode (on in AUTO).", None, None, None),
+    "shape_cost": ("What AUTO saves: time = seconds on this machine (measured as it runs); "
+                   "passes = forward passes, every shape of at most 'window' nodes counting as "
+                   "one (for a GPU with room to spare: window and tree then share that node "
+                   "budget). Lossless either way.", None, None, None),
     "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
                  "unconditional pass.", 0.0, 30.0, 0.1),
     "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),

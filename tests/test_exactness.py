@@ -221,12 +221,15 @@ def test_seeds_differ_per_mode():
 
 
 # ------------------------------------------------------------------ the tree verifier, by loops
-def _verification_inputs(settings: AccelerationSettings, seed: int, batch: int = 256):
+def _verification_inputs(settings: AccelerationSettings, seed: int, batch: int = 256,
+                         profile: tuple[int, ...] | None = None):
     """Random targets and draft distributions (with zeros), drafts made by the engine's own
-    drafting (candidates without replacement), and uniforms."""
+    drafting (candidates without replacement), and uniforms; the tree of ``settings``, or of
+    ``profile`` (candidates per level) within its window."""
     g = torch.Generator().manual_seed(seed)
     vocab = 6
-    tree = DraftTree.for_settings(settings, torch.device("cpu"))
+    tree = (DraftTree.for_settings(settings, torch.device("cpu")) if profile is None
+            else DraftTree.build(settings.window, profile, torch.device("cpu")))
 
     def distributions(*shape):
         logits = torch.randn(*shape, vocab, generator=g) * 2
@@ -246,15 +249,18 @@ def _verification_inputs(settings: AccelerationSettings, seed: int, batch: int =
     return tree, p, node_tokens, node_valid, q, uniforms, final
 
 
-@pytest.mark.parametrize("options", [dict(window=5), dict(PD, window=4, pd_candidates=2),
-                                     dict(PD, window=5, pd_candidates=3, pd_depth=4),
-                                     dict(PD, window=6, pd_candidates=4, pd_depth=3)])
-def test_loop_verifier_equals_verify_tree(options):
+@pytest.mark.parametrize("options, profile", [
+    (dict(window=5), None), (dict(PD, window=4, pd_candidates=2), None),
+    (dict(PD, window=5, pd_candidates=3, pd_depth=4), None),
+    (dict(PD, window=6, pd_candidates=4, pd_depth=3), None),
+    (dict(window=5), (3, 1)), (dict(window=6), (4, 2)), (dict(window=6), (3, 2, 1))])
+def test_loop_verifier_equals_verify_tree(options, profile):
     """The node-by-node verifier of the power tests is the engine's rule, so a broken variant
-    of it differs from the engine only by the injected bug."""
+    of it differs from the engine only by the injected bug; also on trees with fewer
+    candidates at deeper levels (``adaptive_tree``)."""
     settings = AccelerationSettings(**options)
     for seed in range(4):
-        inputs = _verification_inputs(settings, seed)
+        inputs = _verification_inputs(settings, seed, profile=profile)
         fast = verify.verify_tree(*inputs, verify.ExactAcceptance())
         loops = loop_verify_tree(*inputs)
         assert torch.equal(fast.accepted, loops.accepted)

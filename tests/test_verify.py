@@ -14,7 +14,7 @@ VOCAB = 12
 
 
 def test_pd_tree_shape_matches_the_published_count():
-    tree = DraftTree.build(16, 4, 3, torch.device("cpu"))
+    tree = DraftTree.build(16, (4, 4), torch.device("cpu"))
     assert tree.size == 1 + 4 + 16 + 13  # root, two levels of 4 candidates, chain to depth 15
     assert int(tree.depth.max()) == 15
     assert tree.inner_nodes.tolist() == [0, 1, 2, 3, 4]

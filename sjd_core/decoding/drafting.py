@@ -21,19 +21,44 @@ from .settings import AccelerationSettings
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
 
 
+def uniform_profile(candidates: int, depth: int) -> tuple[int, ...]:
+    """The PD tree of ``candidates`` (K) per slot and ``depth`` (D) levels counting the root, as
+    candidates per level: ``(K,) * (D - 1)``; ``()`` (a chain) when K = 1."""
+    return (candidates,) * (depth - 1) if candidates > 1 else ()
+
+
+def tree_profiles(candidates: int, depth: int) -> list[tuple[int, ...]]:
+    """Every tree within K = ``candidates`` and D = ``depth``: candidates per level, at least two
+    at the first level, never more at a level than at the one before (a level's nodes all sit
+    under the previous level's)."""
+    profiles: list[tuple[int, ...]] = []
+
+    def extend(profile: tuple[int, ...], most: int) -> None:
+        if profile:
+            profiles.append(profile)
+        if len(profile) < depth - 1:
+            for count in range(1 if profile else 2, most + 1):
+                extend(profile + (count,), count)
+
+    extend((), candidates)
+    return profiles
+
+
 @dataclass(frozen=True)
 class DraftTree:
-    """The fixed shape of the nodes fed in one iteration, built once per settings.
+    """The fixed shape of the nodes fed in one iteration, built once per shape.
 
-    Node 0 is the root (the last committed token, depth 0). With proactive drafting every node of
-    depth ``d < pd_depth - 1`` has ``K`` children, the candidates of window offset ``d``; past the
-    tree a single chain continues from the main path (candidate 0 at every level) to depth
-    ``window - 1``. Without PD the whole window is that chain. Nodes are in breadth-first order.
+    Node 0 is the root (the last committed token, depth 0). With proactive drafting the tree's
+    ``profile`` (K_1, ..., K_m) gives every node of depth ``d - 1 < m`` ``K_d`` children, the
+    candidates of window offset ``d - 1``; past the tree a single chain continues from the main
+    path (candidate 0 at every level) to depth ``window - 1``. Without PD the whole window is that
+    chain. Nodes are in breadth-first order.
     """
 
     window: int
-    tree_levels: int  # offsets 0 .. tree_levels-1 carry K candidates
-    branching: int
+    profile: tuple[int, ...]  # candidates per tree level; () for a chain
+    tree_levels: int  # offsets 0 .. tree_levels-1 carry candidates
+    branching: int  # the most candidates of any level (1 for a chain)
     parent: torch.Tensor  # (T,) -1 for the root
     depth: torch.Tensor  # (T,)
     flat_source: torch.Tensor  # (T,) index into [tree candidates flattened, window tokens]
@@ -41,7 +66,7 @@ class DraftTree:
     ancestors: torch.Tensor  # (T, T) bool, ancestors and self
     host_ancestors: np.ndarray  # the same on the host, for sessions (no read back)
     route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
-    inner_nodes: torch.Tensor  # (I,) nodes whose children are K candidates (the PD tree's inside)
+    inner_nodes: torch.Tensor  # (I,) nodes whose children are candidates (the PD tree's inside)
     inner_index: torch.Tensor  # (T,) position of each node in inner_nodes, -1 for the others
 
     @property
@@ -50,23 +75,28 @@ class DraftTree:
 
     @staticmethod
     def for_settings(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
-        """The fixed shape of ``settings``: its window, with the PD tree when PD is on."""
-        if settings.proactive_drafting:
-            return DraftTree.build(settings.window, settings.pd_candidates, settings.pd_depth,
-                                   device)
-        return DraftTree.build(settings.window, 1, 1, device)
+        """The fixed shape of ``settings``: its window, with the K x D tree when PD is on."""
+        profile = (uniform_profile(settings.pd_candidates, settings.pd_depth)
+                   if settings.proactive_drafting else ())
+        return DraftTree.build(settings.window, profile, device)
 
     @staticmethod
-    def build(window: int, candidates: int, depth: int, device: torch.device) -> "DraftTree":
-        """A chain of ``window`` nodes, or with ``candidates`` > 1 the PD tree of ``depth``
-        levels (counting the root) plus the chain.
+    def build(window: int, profile: tuple[int, ...], device: torch.device) -> "DraftTree":
+        """A chain of ``window`` nodes, or with a ``profile`` the PD tree of candidates per level
+        (see the class) plus the chain.
 
         ``route[v, t]`` is the ancestor of ``v`` at depth ``t`` for ``t <= depth(v)``, and below
         ``v`` the first-candidate descendant (then the chain): the nodes whose outputs give the
         stale distributions of the slots after a path that ends at ``v``.
         """
-        levels = depth - 1 if candidates > 1 else 0
-        branching = candidates if levels else 1
+        profile = tuple(profile)
+        if profile and (profile[0] < 2 or len(profile) >= window
+                        or any(b > a or b < 1 for a, b in zip(profile, profile[1:]))):
+            raise ValueError(f"profile={profile} is not a PD tree for window {window}: it needs "
+                             "at least 2 candidates at its first level, never more at a level "
+                             "than at the one before, and fewer levels than the window")
+        levels = len(profile)
+        branching = max(profile, default=1)
         parent, depth, source = [-1], [0], [-1]
         children: list[list[int]] = [[]]
         level_nodes = [0]
@@ -76,7 +106,7 @@ class DraftTree:
             new_level = []
             parents = level_nodes if d <= levels else [main[-1]]
             for p in parents:
-                for rank in range(branching if d <= levels else 1):
+                for rank in range(profile[d - 1] if d <= levels else 1):
                     node = len(parent)
                     parent.append(p)
                     depth.append(d)
@@ -110,7 +140,7 @@ class DraftTree:
         def on_device(values) -> torch.Tensor:
             return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device)
 
-        return DraftTree(window, levels, branching, on_device(parent), on_device(depth),
+        return DraftTree(window, profile, levels, branching, on_device(parent), on_device(depth),
                          on_device(np.maximum(source, 0)), on_device(child_table),
                          torch.from_numpy(ancestors).to(device), ancestors, on_device(route),
                          on_device(inner), on_device(inner_index))

@@ -20,16 +20,20 @@ import numpy as np
 import torch
 
 from ..models.protocol import GenerationRequest, ImageTokenModel
-from .drafting import DraftTree
+from .drafting import DraftTree, tree_profiles, uniform_profile
 from .settings import AccelerationSettings, SamplingSettings
 
 
 def describe_shape(tree: DraftTree) -> str:
-    """A short label: ``AR``, ``window 8`` or ``window 16, PD 4x3`` (K candidates, depth D)."""
+    """A short label: ``AR``, ``window 8``, ``window 16, PD 4x3`` (K candidates at each of the
+    D - 1 tree levels, depth D counting the root) or ``window 16, PD 4-2`` (candidates per level,
+    where the levels differ)."""
     if tree.window == 1:
         return "AR"
     if tree.tree_levels:
-        return f"window {tree.window}, PD {tree.branching}x{tree.tree_levels + 1}"
+        uniform = len(set(tree.profile)) == 1
+        return f"window {tree.window}, PD " + (f"{tree.branching}x{tree.tree_levels + 1}"
+                                               if uniform else "-".join(map(str, tree.profile)))
     return f"window {tree.window}"
 
 
@@ -85,15 +89,17 @@ class _Profile:
 
     ``at_risk``/``stopped``: decayed counts of drafts tested and rejected at each depth of a
     window (a draft at depth j is tested when the j - 1 before it passed). ``tree_gain``: codes
-    per iteration of tree shapes over what the window alone is expected to give.
-    ``seconds``: exponentially weighted seconds per iteration by fed node count (1: the plain
-    autoregressive step).
+    per iteration of the full tree over what the window alone is expected to give;
+    ``sibling_pass``: the chance that a further candidate passes where the ones before it failed,
+    fitted to that gain. ``seconds``: exponentially weighted seconds per iteration by fed node
+    count (1: the plain autoregressive step).
     """
 
     window: int
     at_risk: np.ndarray = None
     stopped: np.ndarray = None
     tree_gain: float = 1.0
+    sibling_pass: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
     generations: int = 0
     until_probe: int = 0  # iterations left before the next run of the longest window
@@ -114,11 +120,15 @@ _PROFILES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary
 
 def largest_shape(settings: AccelerationSettings) -> int:
     """The most nodes one forward of ``settings`` feeds (for ``auto``, over all its shapes)."""
-    device = torch.device("cpu")
-    if settings.adaptive_shape and settings.proactive_drafting:
-        return DraftTree.build(settings.window, settings.pd_candidates, settings.pd_depth,
-                               device).size
-    return DraftTree.for_settings(settings, device).size
+    if settings.adaptive_shape and settings.shape_cost == "passes":
+        return settings.window
+    return DraftTree.for_settings(settings, torch.device("cpu")).size
+
+
+def _fitting_window(profile: tuple[int, ...], budget: int) -> int:
+    """The longest window whose tree of ``profile`` feeds at most ``budget`` nodes."""
+    inner = int(np.cumprod(profile).sum()) if profile else 0
+    return budget - inner + len(profile)
 
 
 class AutoPlan:
@@ -131,13 +141,20 @@ class AutoPlan:
     its settled iterations: drafts there have been refined as often as they can be, and the
     estimate then predicts shorter windows well, while an estimate made on a short window would
     see its drafts less refined and underrate every longer one. So the longest window (in turn
-    with and without its tree) runs now and then for a few iterations, more rarely the more it
-    costs against the best shape. A tree's expected codes are the window's times the gain trees
-    showed there. The cost of a shape is its measured seconds per iteration, or a line in fed
-    nodes through the shapes measured so far; plain autoregression (its own, leaner step)
-    competes with its own measured time. The iterations themselves are the timing probes, so
-    measuring costs no extra forward pass. What is learnt is kept for the next generation with
-    the same model, device, batch and settings.
+    with and without its full tree) runs now and then for a few iterations, more rarely the more
+    it costs against the best shape.
+
+    A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
+    (``h_d`` the depth's rejection rate, ``r`` the chance that a further candidate passes where
+    the ones before failed, fitted to the gain the full tree showed), so it is expected to commit
+    ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)`` codes. With ``adaptive_tree`` every
+    tree within K x D competes (:func:`~.drafting.tree_profiles`), so candidates go to the depths
+    where drafts fail most, as far as they pay for the nodes they add; otherwise only the full
+    K x D tree. The cost of a shape is its measured seconds per iteration, or a line in fed nodes
+    through the shapes measured so far; plain autoregression (its own, leaner step) competes with
+    its own measured time. The iterations themselves are the timing probes, so measuring costs no
+    extra forward pass. What is learnt is kept for the next generation with the same model,
+    device, batch and settings.
     """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
@@ -147,86 +164,110 @@ class AutoPlan:
         self.max_nodes = largest_shape(settings)
         self.mode_name = settings.mode_name
         self.seconds_of = seconds_of  # seconds of iteration i, None while not known yet
+        self.per_pass = settings.shape_cost == "passes"
         lengths = [n for n in _LENGTHS if n < settings.window] + [settings.window]
-        self.shapes = [DraftTree.build(1, 1, 1, device)]
-        self.shapes += [DraftTree.build(n, 1, 1, device) for n in lengths]
-        self.probes = [self.shapes[-1]]  # the longest window, and its tree
+        self.shapes = [DraftTree.build(1, (), device)]
+        self.shapes += [DraftTree.build(n, (), device) for n in lengths]
+        self.probes = [self.shapes[-1]]  # the longest window, and its full tree
+        full_tree = uniform_profile(settings.pd_candidates, settings.pd_depth)
         if settings.proactive_drafting:
-            trees = [DraftTree.build(n, settings.pd_candidates, settings.pd_depth, device)
-                     for n in lengths if n >= settings.pd_depth]
-            self.shapes += trees
-            self.probes.append(trees[-1])
+            profiles = (tree_profiles(settings.pd_candidates, settings.pd_depth)
+                        if settings.adaptive_tree else [full_tree])
+            for profile in profiles:
+                longest = (_fitting_window(profile, settings.window) if self.per_pass
+                           else settings.window)
+                self.shapes += [DraftTree.build(n, profile, device) for n in
+                                sorted({n for n in lengths if n < longest} | {longest})
+                                if n > len(profile)]
+            self.probes += [shape for shape in self.shapes if shape.profile == full_tree
+                            and full_tree][-1:]
+        self._arrays()
         key = (str(device), request.batch_size, sampling, settings, request.resolution)
         try:
-            profiles = _PROFILES.setdefault(model, {})
+            profiles_of_model = _PROFILES.setdefault(model, {})
         except TypeError:  # a model that cannot be weakly referenced keeps no profile
-            profiles = {}
-        self.profile = profiles.setdefault(key, _Profile(settings.window))
+            profiles_of_model = {}
+        self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
         self.profile.generations += 1
         short = next(t for t in self.shapes if t.window == min(4, settings.window))
         # a new profile times AR and a short window once (the costs), then runs the probes
-        self.queue = [self.shapes[0], short] if self.profile.generations == 1 else []
-        self.current = (self.shapes[self.profile.current] if self.profile.current >= 0
-                        else self.probes[0])
+        self.queue = ([self.shapes[0], short] if self.profile.generations == 1
+                      and not self.per_pass else [])
+        self.current = self.profile.current if self.profile.current >= 0 else \
+            self.shapes.index(self.probes[0])
         self.previous: DraftTree | None = None
         self.run = 0  # iterations in a row of the same shape
         self.probes_made = 0
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
 
+    def _arrays(self) -> None:
+        """The shapes as arrays, so that every shape's rate is one vector expression."""
+        levels = max((len(shape.profile) for shape in self.shapes), default=0)
+        self.windows = np.array([shape.window for shape in self.shapes])
+        self.sizes = np.array([shape.size for shape in self.shapes], dtype=float)
+        self.levels = np.array([len(shape.profile) for shape in self.shapes])
+        self.candidates = np.zeros((len(self.shapes), max(levels, 1)))
+        for index, shape in enumerate(self.shapes):
+            self.candidates[index, :len(shape.profile)] = shape.profile
+
     # ------------------------------------------------------------------ choosing
     def choose(self) -> DraftTree:
         if self.queue:
             return self.queue.pop(0)
         self.profile.until_probe -= 1
+        rates = self._rates()
         if self.profile.until_probe <= 0:
             probe = self.probes[self.probes_made % len(self.probes)]
             self.probes_made += 1
             self.queue = [probe] * (_PROBE_RUN - 1)
-            survival = self._survival()
-            best = max(self._rate(shape, survival) for shape in self.shapes)
-            cost = best / max(self._rate(probe, survival), 1e-12)  # >= 1: how much slower
+            cost = rates.max() / max(rates[self.shapes.index(probe)], 1e-12)  # >= 1: how slower
             self.profile.until_probe = int(_PROBE * cost * cost)
             return probe
-        survival = self._survival()
-        rates = [self._rate(shape, survival) for shape in self.shapes]
-        best = max(range(len(self.shapes)), key=rates.__getitem__)
-        if rates[best] > self._rate(self.current, survival) * (1 + _HYSTERESIS):
-            self.current = self.shapes[best]
-        return self.current
+        best = int(rates.argmax())
+        if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
+            self.current = best
+        return self.shapes[self.current]
 
-    def _survival(self) -> np.ndarray:
-        """``S(j)``, j = 0 .. window - 1: the chance that the first j drafts pass.
+    def _hazard(self) -> np.ndarray:
+        """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
+        ones before it passed; each depth has a weak prior."""
+        return (self.profile.stopped[1:] + _PRIOR_HAZARD) / (self.profile.at_risk[1:] + 1.0)
 
-        Each depth's rejection rate has a weak prior.
-        """
-        at_risk, stopped = self.profile.at_risk[1:], self.profile.stopped[1:]
-        hazard = (stopped + _PRIOR_HAZARD) / (at_risk + 1.0)
-        return np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
+    def _codes(self, hazard: np.ndarray, sibling_pass: float) -> np.ndarray:
+        """Expected codes per iteration of every shape (see the class docstring)."""
+        survival = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
+        committed = np.concatenate([[0.0], np.cumsum(survival)])  # [L]: sum of S(j), j < L
+        codes = committed[self.windows]
+        depth_hazard = hazard[:self.candidates.shape[1]]
+        passes = 1.0 - depth_hazard * (1.0 - sibling_pass) ** np.maximum(self.candidates - 1, 0)
+        reach = np.cumprod(np.where(self.candidates > 0, passes, 1.0), axis=1)
+        in_tree = np.where(self.candidates > 0, reach, 0.0).sum(1)
+        trees = 1.0 + in_tree + committed[self.windows] - committed[self.levels + 1]
+        return np.where(self.levels > 0, trees, codes)
 
-    def _rate(self, shape: DraftTree, survival: np.ndarray) -> float:
-        """Expected codes per second of ``shape``."""
-        if shape.window == 1:
-            codes = 1.0
-        else:
-            codes = float(survival[:shape.window].sum())
-            if shape.tree_levels:
-                codes *= self.profile.tree_gain
-        return codes / self._seconds(shape)
+    def _rates(self) -> np.ndarray:
+        """Expected codes per second of every shape."""
+        return self._codes(self._hazard(), self.profile.sibling_pass) / self._seconds()
 
-    def _seconds(self, shape: DraftTree) -> float:
-        """Measured seconds per iteration, or a line in fed nodes through the measured shapes."""
+    def _seconds(self) -> np.ndarray:
+        """Seconds per iteration of every shape: measured, or a line in fed nodes through the
+        measured shapes; all 1 when the cost is forward passes."""
+        if self.per_pass:
+            return np.ones_like(self.sizes)
         measured = self.profile.seconds
-        if shape.size in measured and (shape.window > 1) == (shape.size > 1):
-            return measured[shape.size]
-        points = [(nodes, seconds) for nodes, seconds in measured.items() if nodes > 1]
+        points = np.array([(n, t) for n, t in measured.items() if n > 1], dtype=float)
         if len(points) >= 2:
-            slope, intercept = np.polyfit(*np.array(points, dtype=float).T, 1)
-            return max(intercept + max(slope, 0.0) * shape.size, 1e-9)
-        if points:
-            nodes, seconds = points[0]
-            return seconds * (1 + shape.size / nodes) / 2  # until a second size is timed
-        return float(shape.size)
+            slope, intercept = np.polyfit(points[:, 0], points[:, 1], 1)
+            seconds = np.maximum(intercept + max(slope, 0.0) * self.sizes, 1e-9)
+        elif len(points):
+            nodes, time = points[0]
+            seconds = time * (1 + self.sizes / nodes) / 2  # until a second size is timed
+        else:
+            seconds = self.sizes.copy()
+        for nodes, time in measured.items():
+            seconds[self.sizes == nodes] = time
+        return seconds
 
     # ------------------------------------------------------------------ learning
     def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool) -> None:
@@ -246,11 +287,14 @@ class AutoPlan:
         self.pending = still
 
     def _count(self, tree: DraftTree, counts: np.ndarray) -> None:
-        """Drafts tested and rejected per depth of the longest window, or its tree's gain."""
+        """Drafts tested and rejected per depth of the longest window, or its tree's gain (and
+        the sibling pass rate that explains it)."""
         profile = self.profile
         if tree.tree_levels:
-            expected = float(self._survival()[:tree.window].sum())
+            full = self.shapes.index(tree)
+            expected = self._codes(self._hazard(), 0.0)[full]  # its window's, without siblings
             profile.tree_gain += 0.2 * (float(counts.mean()) / expected - profile.tree_gain)
+            profile.sibling_pass = self._fit_sibling_pass(full, profile.tree_gain * expected)
             return
         profile.at_risk *= _MEMORY
         profile.stopped *= _MEMORY
@@ -261,11 +305,22 @@ class AutoPlan:
             if passed + 1 <= tree.window - 1:
                 profile.stopped[passed + 1] += 1
 
+    def _fit_sibling_pass(self, shape: int, codes: float) -> float:
+        """The sibling pass rate in [0, 1] under which ``shape`` is expected to commit ``codes``
+        (bisection: the expectation grows with it)."""
+        hazard, low, high = self._hazard(), 0.0, 1.0
+        for _ in range(30):
+            middle = (low + high) / 2
+            if self._codes(hazard, middle)[shape] < codes:
+                low = middle
+            else:
+                high = middle
+        return (low + high) / 2
+
     def notes(self) -> dict:
-        self.profile.current = self.shapes.index(self.current)
-        survival = self._survival()
-        best = max(self.shapes, key=lambda shape: self._rate(shape, survival))
-        return {"auto_best_shape": describe_shape(best)}
+        self.profile.current = self.current
+        return {"auto_best_shape": describe_shape(self.shapes[int(self._rates().argmax())]),
+                "auto_sibling_pass": round(float(self.profile.sibling_pass), 4)}
 
 
 def make_plan(settings: AccelerationSettings, model: ImageTokenModel, request: GenerationRequest,

@@ -15,8 +15,10 @@ from ..messages import quote
 
 InitRule = Literal["uniform", "left", "above", "above_target"]
 RelaxedRule = Literal["none", "lantern", "gsd"]
+ShapeCost = Literal["time", "passes"]
 
 INIT_RULES: tuple[str, ...] = ("uniform", "left", "above", "above_target")
+SHAPE_COSTS: tuple[str, ...] = ("time", "passes")
 RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
 PRESETS: tuple[str, ...] = ("auto", "ar", "sjd", "pac", "pac+vp")
 DEFAULT_PRESET = "auto"  # what the nodes, the demo and the benchmarks run unless told otherwise
@@ -102,6 +104,13 @@ class AccelerationSettings:
         any length up to ``window``, with or without a PD tree up to ``pd_candidates`` x
         ``pd_depth``) expected to commit the most codes per second, from this model's measured
         costs and acceptance so far. Lossless.
+    adaptive_tree: with ``adaptive_shape`` and PD, every tree within ``pd_candidates`` x
+        ``pd_depth`` competes, with its own number of candidates per level (fewer where drafts
+        pass more often), instead of only the full K x D tree. Lossless; without both it has no
+        effect.
+    shape_cost: what ``adaptive_shape`` spends per committed code: ``time``, as measured on this
+        machine, or ``passes``: every shape of at most ``window`` nodes costs one forward pass (a
+        device with room to spare), so the window and the tree share that node budget. Lossless.
     """
 
     window: int = 16
@@ -121,6 +130,8 @@ class AccelerationSettings:
     gsd_prob_tolerance: float = 0.15
     gsd_embedding_tolerance: float = 0.5
     adaptive_shape: bool = False
+    adaptive_tree: bool = False
+    shape_cost: ShapeCost = "time"
 
     def __post_init__(self) -> None:
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
@@ -128,6 +139,8 @@ class AccelerationSettings:
         require(self.init in INIT_RULES, "init", self.init, f"one of {INIT_RULES}")
         require(self.relaxed in RELAXED_RULES, "relaxed", self.relaxed,
                  f"one of {RELAXED_RULES}")
+        require(self.shape_cost in SHAPE_COSTS, "shape_cost", self.shape_cost,
+                 f"one of {SHAPE_COSTS}")
         require(isinstance(self.pd_candidates, int) and self.pd_candidates >= 1,
                  "pd_candidates", self.pd_candidates, "an integer >= 1")
         require(isinstance(self.pd_depth, int) and self.pd_depth >= 1, "pd_depth",
@@ -177,7 +190,7 @@ class AccelerationSettings:
         for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
             _no_bool(name, getattr(self, name), "an integer")
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
-                     "adaptive_shape"):
+                     "adaptive_shape", "adaptive_tree"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
         if self.proactive_drafting:
@@ -223,8 +236,8 @@ class AccelerationSettings:
         """
         base = {
             "auto": dict(window=32, init="above_target", adaptive_continuation=True,
-                         proactive_drafting=True, pd_candidates=2, pd_depth=3,
-                         adaptive_shape=True),
+                         proactive_drafting=True, pd_candidates=3, pd_depth=3,
+                         adaptive_shape=True, adaptive_tree=True),
             "ar": dict(window=1),
             "sjd": dict(),
             "pac": dict(adaptive_continuation=True, proactive_drafting=True),

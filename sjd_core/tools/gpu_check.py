@@ -236,10 +236,10 @@ def measure(size: Size, device: torch.device, dtype: torch.dtype, iterations: in
              "build_seconds": time.perf_counter() - built}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    shapes = {"1 token": DraftTree.build(1, 1, 1, device),
-              "16-node window": DraftTree.build(16, 1, 1, device),
-              "34-node PAC tree": DraftTree.build(16, 4, 3, device),
-              "64-node window": DraftTree.build(64, 1, 1, device)}
+    shapes = {"1 token": DraftTree.build(1, (), device),
+              "16-node window": DraftTree.build(16, (), device),
+              "34-node PAC tree": DraftTree.build(16, (4, 4), device),
+              "64-node window": DraftTree.build(64, (), device)}
     table["forward_ms"] = {name: 1e3 * time_forward(model, tree, repeats)
                            for name, tree in shapes.items()}
     table["runs"] = [run_mode(model, preset, iterations) for preset in ("ar", "pac+vp", "auto")]

@@ -1,0 +1,95 @@
+"""``auto``'s choice of shape: the trees it may feed, what it expects of them, and where it puts
+candidates when drafts fail at some depths more than at others."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sjd_core.decoding.drafting import DraftTree, tree_profiles, uniform_profile
+from sjd_core.decoding.planner import AutoPlan, describe_shape, largest_shape
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.models.protocol import GenerationRequest
+
+CPU = torch.device("cpu")
+
+
+class _Model:
+    """Stands for a model: ``auto`` keeps what it learnt per model object."""
+
+
+def plan_for(**overrides: object) -> AutoPlan:
+    settings = AccelerationSettings.preset("auto", **overrides)
+    return AutoPlan(settings, _Model(), GenerationRequest(prompt="x"), SamplingSettings(), CPU,
+                    lambda iteration: None)
+
+
+def learnt(plan: AutoPlan, hazard: list[float], sibling_pass: float) -> AutoPlan:
+    """The plan as if it had counted many drafts with these rejection rates per depth."""
+    depths = len(plan.profile.at_risk)
+    rates = np.array(hazard + [hazard[-1]] * (depths - 1 - len(hazard)))
+    plan.profile.at_risk[1:] = 1e6
+    plan.profile.stopped[1:] = rates * 1e6
+    plan.profile.sibling_pass = sibling_pass
+    return plan
+
+
+def test_tree_profiles_and_their_node_counts():
+    assert uniform_profile(4, 3) == (4, 4) and uniform_profile(1, 3) == ()
+    assert tree_profiles(3, 3) == [(2,), (2, 1), (2, 2), (3,), (3, 1), (3, 2), (3, 3)]
+    assert tree_profiles(2, 2) == [(2,)]
+    tree = DraftTree.build(8, (3, 1), CPU)
+    assert tree.size == 1 + 3 + 3 + (8 - 1 - 2)
+    assert tree.children[1:4, 0].tolist() == [4, 5, 6] and (tree.children[1:4, 1:] == -1).all()
+    assert describe_shape(tree) == "window 8, PD 3-1"
+    assert describe_shape(DraftTree.build(8, (3, 3), CPU)) == "window 8, PD 3x3"
+    for bad in [(1,), (2, 3), (2, 2, 2, 2, 2, 2, 2, 2)]:
+        with pytest.raises(ValueError, match="profile"):
+            DraftTree.build(8, bad, CPU)
+
+
+def test_a_tree_whose_siblings_never_pass_is_expected_to_commit_what_its_window_does():
+    plan = learnt(plan_for(), [0.3, 0.2, 0.4, 0.25], sibling_pass=0.0)
+    codes = plan._codes(plan._hazard(), 0.0)
+    for index, shape in enumerate(plan.shapes):
+        if shape.tree_levels:
+            chain = next(i for i, s in enumerate(plan.shapes)
+                         if s.window == shape.window and not s.tree_levels)
+            assert codes[index] == pytest.approx(codes[chain])
+    more = plan._codes(plan._hazard(), 0.5)
+    trees = plan.levels > 0
+    assert (more[trees] > codes[trees]).all()
+    assert (more[~trees] == codes[~trees]).all()
+
+
+def test_the_sibling_pass_rate_is_fitted_to_the_gain_the_full_tree_showed():
+    plan = learnt(plan_for(), [0.3, 0.2, 0.4, 0.25], sibling_pass=0.0)
+    full = plan.shapes.index(plan.probes[1])
+    wanted = plan._codes(plan._hazard(), 0.35)[full]
+    assert plan._fit_sibling_pass(full, wanted) == pytest.approx(0.35, abs=1e-6)
+
+
+def test_per_pass_shapes_share_the_node_budget_and_candidates_go_where_drafts_fail():
+    plan = plan_for(shape_cost="passes", window=34)
+    assert largest_shape(plan.settings) == 34
+    assert max(shape.size for shape in plan.shapes) == 34
+    assert {shape.profile for shape in plan.shapes if shape.size == 34} == \
+        {(), *tree_profiles(3, 3)}
+    # drafts fail mostly at the first depth: the candidates go there, and only there
+    first = learnt(plan, [0.6, 0.05, 0.05, 0.05], sibling_pass=0.5)
+    chosen = first.shapes[int(first._rates().argmax())]
+    assert chosen.profile[0] == 3 and chosen.profile[1:] in ((), (1,)), describe_shape(chosen)
+    # drafts fail at the first two depths: both get candidates
+    both = learnt(plan_for(shape_cost="passes", window=34), [0.6, 0.6, 0.05, 0.05], 0.5)
+    chosen = both.shapes[int(both._rates().argmax())]
+    assert len(chosen.profile) == 2 and min(chosen.profile) >= 2, describe_shape(chosen)
+    # drafts rarely fail: every node goes to the window
+    rare = learnt(plan_for(shape_cost="passes", window=34), [0.02] * 4, 0.5)
+    chosen = rare.shapes[int(rare._rates().argmax())]
+    assert chosen.profile == () and chosen.window == 34, describe_shape(chosen)
+
+
+def test_without_adaptive_tree_only_the_full_tree_competes():
+    plan = plan_for(adaptive_tree=False)
+    assert {shape.profile for shape in plan.shapes} == {(), (3, 3)}
