@@ -269,3 +269,35 @@ def test_presets_name_their_modes():
     assert AccelerationSettings.preset("pac").mode_name == "SJD+AC+PD"
     assert AccelerationSettings.preset("pac+vp", relaxed="gsd").mode_name == "SJD+AC+PD+VP+GSD"
     assert not AccelerationSettings.preset("pac+vp", relaxed="gsd").lossless
+
+
+def test_vp_counts_how_often_a_rise_predicted_the_committed_code(model, monkeypatch):
+    """The trace of a VP run counts, over committed slots with a history, the slots whose
+    committed code had risen N times in a row, those where some code had, and those where the
+    likeliest riser was committed; checked here against the same counts made slot by slot."""
+    import sjd_core.decoding.engine as engine_module
+
+    seen = []
+    exact = engine_module._Decoder._count_rises
+
+    def by_slot(decoder, committed, valid):
+        state, n = decoder.state, decoder.acceleration.vp_rises
+        for b, j in zip(*torch.nonzero(valid & state.vp_known[:, :committed.shape[1]],
+                                       as_tuple=True)):
+            rises = state.vp_rises[b, j] >= n
+            code = int(committed[b, j])
+            likeliest = int(torch.where(rises, state.vp_last[b, j], -1.0).argmax())
+            seen.append((1, bool(rises[code]), bool(rises.any()),
+                         bool(rises.any()) and likeliest == code))
+        exact(decoder, committed, valid)
+
+    monkeypatch.setattr(engine_module._Decoder, "_count_rises", by_slot)
+    settings = AccelerationSettings.preset("pac+vp", vp_rises=1)
+    result = generate(model, GenerationRequest(prompt="a", batch_size=2), SamplingSettings(),
+                      settings, seed=4)
+    counts = result.trace.summary()["vp_rises"]
+    assert list(counts.values()) == [int(x) for x in np.sum(seen, axis=0)], counts
+    assert counts["slots"] > 50 and 0 < counts["committed_code_rose"] <= counts["some_code_rose"]
+    plain = generate(model, GenerationRequest(prompt="a"), SamplingSettings(),
+                     AccelerationSettings.preset("pac"), seed=4)
+    assert plain.trace.summary()["vp_rises"] == {}

@@ -173,6 +173,8 @@ class _Decoder:
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
+        if settings.verification_prediction:
+            self._count_rises(verdict.tokens, offsets < count[:, None])
 
         on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == torch.arange(
             tree.size, device=self.device)
@@ -189,6 +191,17 @@ class _Decoder:
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous, self.done = self.done, self.committed.tolist()
         return [now - before for before, now in zip(previous, self.done)]
+
+    def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:
+        """VP's bet, checked: for the slots committed now that had a history, whether the
+        committed code was one whose probability rose ``vp_rises`` times in a row, whether any
+        code had, and whether the likeliest such code is the committed one."""
+        fed = committed.shape[1]
+        rises = self.state.vp_rises[:, :fed] >= self.acceleration.vp_rises
+        counted = valid & self.state.vp_known[:, :fed]
+        rose = rises.gather(-1, committed[..., None]).squeeze(-1)
+        likeliest = torch.where(rises, self.state.vp_last[:, :fed], -1.0).argmax(-1)
+        self.recorder.count_rises(counted, rose, rises.any(-1), likeliest == committed)
 
     def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
         canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,

@@ -103,6 +103,7 @@ class _Profile:
     seconds: dict[int, float] = field(default_factory=dict)
     generations: int = 0
     until_probe: int = 0  # iterations left before the next run of the longest window
+    probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
     current: int = -1  # index of the shape the last generation ended with
 
     def __post_init__(self) -> None:
@@ -197,7 +198,6 @@ class AutoPlan:
             self.shapes.index(self.probes[0])
         self.previous: DraftTree | None = None
         self.run = 0  # iterations in a row of the same shape
-        self.probes_made = 0
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
 
@@ -218,8 +218,8 @@ class AutoPlan:
         self.profile.until_probe -= 1
         rates = self._rates()
         if self.profile.until_probe <= 0:
-            probe = self.probes[self.probes_made % len(self.probes)]
-            self.probes_made += 1
+            probe = self.probes[self.profile.probes_made % len(self.probes)]
+            self.profile.probes_made += 1
             self.queue = [probe] * (_PROBE_RUN - 1)
             cost = rates.max() / max(rates[self.shapes.index(probe)], 1e-12)  # >= 1: how slower
             self.profile.until_probe = int(_PROBE * cost * cost)

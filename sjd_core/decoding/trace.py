@@ -21,6 +21,10 @@ from .drafting import DRAFT_SOURCES
 from .verify import ACCEPTED, COMMIT_KINDS, RESIDUAL
 
 _NEVER = 2**31 - 1
+# What VP's consecutive rises predicted, counted over committed slots that had a history: the
+# slots, those whose committed code had risen, those where some code had, and those where the
+# likeliest code that had risen was the committed one.
+RISE_COUNTS = ("slots", "committed_code_rose", "some_code_rose", "likeliest_riser_committed")
 TRACE_VERSION = 2
 
 
@@ -81,6 +85,7 @@ class TraceRecorder:
         self.kind = torch.zeros(size, dtype=torch.int8, device=device)
         self.source = torch.zeros(size, dtype=torch.int8, device=device)
         self.committed: list[list[int]] = []  # per iteration, per image of the batch
+        self.rises: torch.Tensor | None = None  # VP's counts (see count_rises)
         self.shape_index: list[int] = []
         self.shapes: list[str] = []
         self.clock = Clock(device)
@@ -107,6 +112,14 @@ class TraceRecorder:
             self.probability.scatter_(0, index, probability.flatten().float())
         if sources is not None:
             self.source.scatter_(0, index, sources.flatten())
+
+    def count_rises(self, counted: torch.Tensor, rose: torch.Tensor, any_rose: torch.Tensor,
+                    likeliest: torch.Tensor) -> None:
+        """Add up, over the committed slots ``counted`` (B, L), VP's three hits (see
+        ``RISE_COUNTS``); kept on the device."""
+        hits = torch.stack([counted, counted & rose, counted & any_rose,
+                            counted & any_rose & likeliest]).flatten(1).sum(1)
+        self.rises = hits if self.rises is None else self.rises + hits
 
     def iteration_done(self, rows: list[int], accepted: list[int], shape: str) -> None:
         """Host-side record of one iteration: slots committed per image, and the shape fed."""
@@ -136,6 +149,8 @@ class TraceRecorder:
             raise RuntimeError(f"the clock has {seconds.shape[0]} complete iterations of marks for "
                                f"{iterations} iterations: a session must call mark() twice per "
                                "forward")
+        if self.rises is not None:
+            meta = dict(meta, vp_rises=dict(zip(RISE_COUNTS, self.rises.tolist())))
         return Trace(
             meta=dict(meta, run_id=uuid.uuid4().hex, grid=[height, width], batch=batch,
                       shapes=list(self.shapes), trace_version=TRACE_VERSION),
@@ -224,6 +239,7 @@ class Trace:
                                          & np.isin(self.commit_kind, (ACCEPTED, RESIDUAL))).sum())
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
+            "vp_rises": dict(self.meta.get("vp_rises", {})),
         }
 
     def slot_maps(self) -> dict[str, np.ndarray]:

@@ -119,6 +119,7 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
     import torch
 
     from ...decoding.planner import largest_shape
+    from ...decoding.trace import RISE_COUNTS
     from ...models.protocol import GenerationRequest
     from .probe import energy_test
 
@@ -157,6 +158,9 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
                                 sum(part_summary["draft_sources"][name] for part in parts
                                     for part_summary in part["summaries"]))
                          for name in parts[0]["summaries"][0]["drafts_tested"]}
+        row["vp_rises"] = {name: sum(part_summary["vp_rises"].get(name, 0) for part in parts
+                                     for part_summary in part["summaries"])
+                           for name in RISE_COUNTS}
         if ar_features is None:
             ar_features, ar_seconds = features, seconds
             row["p_vs_ar"] = None
@@ -203,6 +207,23 @@ def draft_rules(rows: list[dict]) -> str:
                  for name, (tested, passed) in row["drafts"].items()
                  if tested and name != DRAFT_SOURCES[PD_SIBLING]]
         lines.append(f"  {row['mode']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def vp_rises(rows: list[dict]) -> str:
+    """For the rows with VP: how well a consecutive rise predicted the committed code, over the
+    committed slots whose probabilities VP had followed for at least one iteration."""
+    lines = []
+    for row in rows:
+        counts = row["vp_rises"]
+        if not counts["slots"]:
+            continue
+        some = counts["some_code_rose"]
+        lines.append(
+            f"  {row['mode']}: of {counts['slots']} slots, the committed code had risen in "
+            f"{100 * counts['committed_code_rose'] / counts['slots']:.1f}%; some code had "
+            f"risen in {100 * some / counts['slots']:.1f}%, and there the likeliest riser was "
+            f"the committed code in {100 * counts['likeliest_riser_committed'] / max(some, 1):.1f}%")
     return "\n".join(lines)
 
 
@@ -323,6 +344,10 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
               f"{real_floor(probe, count, seed=args.seed):.2f}")
         print("\ndecisive tests passed, by the rule that made the draft:")
         print(draft_rules(rows))
+        if any(row["vp_rises"]["slots"] for row in rows):
+            print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
+                  "committed code:")
+            print(vp_rises(rows))
         if sweeps[name]:
             print("\nAC+above by window length: " + ", ".join(
                 f"window {row['window']}: mean accepted length "
