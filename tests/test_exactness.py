@@ -261,12 +261,37 @@ def test_loop_verifier_equals_verify_tree(options, profile):
     settings = AccelerationSettings(**options)
     for seed in range(4):
         inputs = _verification_inputs(settings, seed, profile=profile)
-        fast = verify.verify_tree(*inputs, verify.ExactAcceptance())
+        fast = verify.verify_tree(*inputs, verify.ExactAcceptance(), count_siblings=True)
         loops = loop_verify_tree(*inputs)
         assert torch.equal(fast.accepted, loops.accepted)
         assert torch.equal(fast.path, loops.path)
         assert torch.equal(fast.tokens, loops.tokens)
         assert int(fast.accepted.max()) >= 2  # deep paths were taken and compared
+        tree, node_valid = inputs[0], inputs[3]
+        if tree.tree_levels:
+            tests, passes = _siblings_on_path(tree, loops, node_valid)
+            assert fast.sibling_tests.tolist() == tests and fast.sibling_passes.tolist() == passes
+            assert sum(passes) > 0 and sum(tests) > sum(passes)
+
+
+def _siblings_on_path(tree: DraftTree, verdict, node_valid: torch.Tensor):
+    """PD candidates 2..K tested and passed along each row's path, walked node by node: at each
+    tree node of the path, the rank of the child taken (ranks before it failed), or every valid
+    candidate tested where the path ends."""
+    tests, passes = [], []
+    for row in range(verdict.path.shape[0]):
+        tested = passed = 0
+        accepted = int(verdict.accepted[row])
+        for depth in range(min(accepted + 1, tree.tree_levels)):
+            kids = [k for k in tree.children[int(verdict.path[row, depth])].tolist() if k >= 0]
+            if depth < accepted:
+                rank = kids.index(int(verdict.path[row, depth + 1]))
+                tested, passed = tested + rank, passed + (rank > 0)
+            else:
+                tested += sum(bool(node_valid[row, k]) for k in kids[1:])
+        tests.append(tested)
+        passes.append(passed)
+    return tests, passes
 
 
 # ------------------------------------------------------------------ power: broken variants

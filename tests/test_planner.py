@@ -31,7 +31,8 @@ def learnt(plan: AutoPlan, hazard: list[float], sibling_pass: float) -> AutoPlan
     rates = np.array(hazard + [hazard[-1]] * (depths - 1 - len(hazard)))
     plan.profile.at_risk[1:] = 1e6
     plan.profile.stopped[1:] = rates * 1e6
-    plan.profile.sibling_pass = sibling_pass
+    plan.profile.sibling_tests = 1e6
+    plan.profile.sibling_passes = sibling_pass * (1e6 + 1)
     return plan
 
 
@@ -63,11 +64,16 @@ def test_a_tree_whose_siblings_never_pass_is_expected_to_commit_what_its_window_
     assert (more[~trees] == codes[~trees]).all()
 
 
-def test_the_sibling_pass_rate_is_fitted_to_the_gain_the_full_tree_showed():
-    plan = learnt(plan_for(), [0.3, 0.2, 0.4, 0.25], sibling_pass=0.0)
-    full = plan.shapes.index(plan.probes[1])
-    wanted = plan._codes(plan._hazard(), 0.35)[full]
-    assert plan._fit_sibling_pass(full, wanted) == pytest.approx(0.35, abs=1e-6)
+def test_the_sibling_pass_rate_is_what_the_verifier_counted():
+    plan = plan_for()
+    tree = plan.probes[1]
+    assert plan._sibling_pass() == 0.0  # no tree has run: trees are expected to add nothing
+    for _ in range(50):
+        plan.observe(tree, [0], [3], True, (4, 1))
+    assert plan._sibling_pass() == pytest.approx(0.25, abs=0.01)
+    chain_only = plan.profile.sibling_tests
+    plan.observe(plan.probes[0], [0], [3], True, (0, 0))
+    assert plan.profile.sibling_tests == chain_only  # chains test no siblings and count none
 
 
 def test_per_pass_shapes_share_the_node_budget_and_candidates_go_where_drafts_fail():

@@ -106,6 +106,7 @@ class _Decoder:
         self.ar_kinds = (torch.tensor(FORCED, dtype=torch.int8, device=device),
                          torch.tensor(BONUS, dtype=torch.int8, device=device))
         self.iteration = 0
+        self.siblings = (0, 0)  # PD candidates 2..K tested and passed in the last iteration
 
     # ------------------------------------------------------------------ steps
     def autoregressive_step(self) -> list[int]:
@@ -128,6 +129,7 @@ class _Decoder:
         self.anchor = token
         self.state = None
         self.done = [d + 1 for d in self.done]
+        self.siblings = (0, 0)
         return [1] * len(self.rows)
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
@@ -153,7 +155,7 @@ class _Decoder:
         target = process(cond, uncond, self.sampling)
         verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q,
                               uniforms[:, :tests].reshape(batch, tree.size, tree.branching),
-                              uniforms[:, tests], self.rule)
+                              uniforms[:, tests], self.rule, self.acceleration.adaptive_shape)
 
         fed = tree.window
         offsets = torch.arange(fed, device=self.device)
@@ -189,7 +191,13 @@ class _Decoder:
                                   .expand(-1, -1, vocab))
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
-        previous, self.done = self.done, self.committed.tolist()
+        previous = self.done
+        if verdict.sibling_tests is None:
+            self.done, self.siblings = self.committed.tolist(), (0, 0)
+        else:  # the same one read brings the PD sibling counts along
+            host = torch.cat([self.committed, verdict.sibling_tests.sum()[None],
+                              verdict.sibling_passes.sum()[None]]).tolist()
+            self.done, self.siblings = host[:-2], (host[-2], host[-1])
         return [now - before for before, now in zip(previous, self.done)]
 
     def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:
@@ -306,7 +314,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
         accepted = (decoder.autoregressive_step() if tree.window == 1
                     else decoder.speculative_step(tree))
         decoder.recorder.clock.mark()
-        plan.observe(tree, decoder.rows, accepted, warm)
+        plan.observe(tree, decoder.rows, accepted, warm, decoder.siblings)
         shape = describe_shape(tree)
         decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1

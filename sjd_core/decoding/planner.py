@@ -47,9 +47,11 @@ class Plan(Protocol):
         """The shape of the next iteration."""
         ...
 
-    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool) -> None:
+    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
+                siblings: tuple[int, int]) -> None:
         """What the iteration just fed as ``tree`` committed for each image ``rows[i]``;
-        ``warm`` is False when its drafts were only just initialised."""
+        ``warm`` is False when its drafts were only just initialised; ``siblings``: PD
+        candidates 2..K tested along the accepted paths, and how many of them passed."""
         ...
 
     def notes(self) -> dict:
@@ -68,7 +70,8 @@ class FixedPlan:
     def choose(self) -> DraftTree:
         return self.tree
 
-    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool) -> None:
+    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
+                siblings: tuple[int, int]) -> None:
         return None
 
     def notes(self) -> dict:
@@ -88,18 +91,17 @@ class _Profile:
     """What ``auto`` learnt about one model, device, batch and settings; kept across generations.
 
     ``at_risk``/``stopped``: decayed counts of drafts tested and rejected at each depth of a
-    window (a draft at depth j is tested when the j - 1 before it passed). ``tree_gain``: codes
-    per iteration of the full tree over what the window alone is expected to give;
-    ``sibling_pass``: the chance that a further candidate passes where the ones before it failed,
-    fitted to that gain. ``seconds``: exponentially weighted seconds per iteration by fed node
+    window (a draft at depth j is tested when the j - 1 before it passed). ``sibling_tests`` and
+    ``sibling_passes``: decayed counts of PD candidates 2..K tested (where the ones before them
+    failed) and passed. ``seconds``: exponentially weighted seconds per iteration by fed node
     count (1: the plain autoregressive step).
     """
 
     window: int
     at_risk: np.ndarray = None
     stopped: np.ndarray = None
-    tree_gain: float = 1.0
-    sibling_pass: float = 0.0
+    sibling_tests: float = 0.0
+    sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
     generations: int = 0
     until_probe: int = 0  # iterations left before the next run of the longest window
@@ -146,8 +148,8 @@ class AutoPlan:
     it costs against the best shape.
 
     A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
-    (``h_d`` the depth's rejection rate, ``r`` the chance that a further candidate passes where
-    the ones before failed, fitted to the gain the full tree showed), so it is expected to commit
+    (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
+    passes where the ones before it failed), so it is expected to commit
     ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)`` codes. With ``adaptive_tree`` every
     tree within K x D competes (:func:`~.drafting.tree_profiles`), so candidates go to the depths
     where drafts fail most, as far as they pay for the nodes they add; otherwise only the full
@@ -246,9 +248,14 @@ class AutoPlan:
         trees = 1.0 + in_tree + committed[self.windows] - committed[self.levels + 1]
         return np.where(self.levels > 0, trees, codes)
 
+    def _sibling_pass(self) -> float:
+        """``r``: the share of PD candidates 2..K that passed where the ones before them
+        failed; until trees have run, 0 (a tree is then expected to add nothing)."""
+        return self.profile.sibling_passes / (self.profile.sibling_tests + 1.0)
+
     def _rates(self) -> np.ndarray:
         """Expected codes per second of every shape."""
-        return self._codes(self._hazard(), self.profile.sibling_pass) / self._seconds()
+        return self._codes(self._hazard(), self._sibling_pass()) / self._seconds()
 
     def _seconds(self) -> np.ndarray:
         """Seconds per iteration of every shape: measured, or a line in fed nodes through the
@@ -270,10 +277,15 @@ class AutoPlan:
         return seconds
 
     # ------------------------------------------------------------------ learning
-    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool) -> None:
+    def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
+                siblings: tuple[int, int]) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
-        if tree in self.probes and warm and self.run > _SETTLE:
+        if tree.tree_levels:
+            profile = self.profile
+            profile.sibling_tests = _MEMORY * profile.sibling_tests + siblings[0]
+            profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
+        elif warm and self.run > _SETTLE and tree is self.probes[0]:
             self._count(tree, np.asarray(accepted))
         self.pending.append((self.iteration, tree.size))
         self.iteration += 1
@@ -287,15 +299,8 @@ class AutoPlan:
         self.pending = still
 
     def _count(self, tree: DraftTree, counts: np.ndarray) -> None:
-        """Drafts tested and rejected per depth of the longest window, or its tree's gain (and
-        the sibling pass rate that explains it)."""
+        """Drafts tested and rejected per depth of the longest window."""
         profile = self.profile
-        if tree.tree_levels:
-            full = self.shapes.index(tree)
-            expected = self._codes(self._hazard(), 0.0)[full]  # its window's, without siblings
-            profile.tree_gain += 0.2 * (float(counts.mean()) / expected - profile.tree_gain)
-            profile.sibling_pass = self._fit_sibling_pass(full, profile.tree_gain * expected)
-            return
         profile.at_risk *= _MEMORY
         profile.stopped *= _MEMORY
         depths = np.arange(profile.window)
@@ -305,22 +310,10 @@ class AutoPlan:
             if passed + 1 <= tree.window - 1:
                 profile.stopped[passed + 1] += 1
 
-    def _fit_sibling_pass(self, shape: int, codes: float) -> float:
-        """The sibling pass rate in [0, 1] under which ``shape`` is expected to commit ``codes``
-        (bisection: the expectation grows with it)."""
-        hazard, low, high = self._hazard(), 0.0, 1.0
-        for _ in range(30):
-            middle = (low + high) / 2
-            if self._codes(hazard, middle)[shape] < codes:
-                low = middle
-            else:
-                high = middle
-        return (low + high) / 2
-
     def notes(self) -> dict:
         self.profile.current = self.current
         return {"auto_best_shape": describe_shape(self.shapes[int(self._rates().argmax())]),
-                "auto_sibling_pass": round(float(self.profile.sibling_pass), 4)}
+                "auto_sibling_pass": round(self._sibling_pass(), 4)}
 
 
 def make_plan(settings: AccelerationSettings, model: ImageTokenModel, request: GenerationRequest,

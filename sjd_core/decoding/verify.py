@@ -153,6 +153,8 @@ class Verdict:
     tokens: torch.Tensor  # (B, L) code committed at offset j (valid for j <= accepted)
     kinds: torch.Tensor  # (B, L) commit kind at offset j
     probability: torch.Tensor  # (B, L) acceptance probability of the test at offset j (NaN: none)
+    sibling_tests: torch.Tensor | None = None  # (B,) PD candidates 2..K tested along the path
+    sibling_passes: torch.Tensor | None = None  # (B,) of those, the ones that passed
 
 
 @dataclass
@@ -209,7 +211,7 @@ def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
                 node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
-                final_uniform: torch.Tensor, rule) -> Verdict:
+                final_uniform: torch.Tensor, rule, count_siblings: bool = False) -> Verdict:
     """Test every parent's candidates, find the accepted path and draw the slot after it.
 
     ``p`` (B, T, V): target after each fed node; ``node_tokens``/``node_valid`` (B, T);
@@ -221,7 +223,9 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     carrying full residual distributions (only there). The path follows the accepted child of
     each node from the root. At its end the slot is drawn from what recursive rejection left
     (the residual after the rejected candidates), or from the target itself when no candidate
-    was tested there (a bonus draw after a fully accepted chain).
+    was tested there (a bonus draw after a fully accepted chain). With ``count_siblings`` (for
+    ``auto``'s estimate of how often a further candidate passes) the verdict also counts, per
+    row, the candidates 2..K tested along the path and those that passed.
     """
     batch, size, vocab = p.shape
     child_slot = tree.depth.clamp_max(q_slots.shape[1] - 1)  # the slot a node's children fill
@@ -235,7 +239,7 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     chosen = torch.where(first.accept, first_child, -1)  # the accepted child of every node
     taken = first.probability  # probability of the accepting test, else of the first test
     relaxed = first.relaxed
-    inner_end = None
+    inner_end = sibling_tests = None
     if tree.branching > 1:
         inner, kids = tree.inner_nodes, tree.children[tree.inner_nodes]  # (I,), (I, K)
         cand = node_tokens[:, kids.clamp_min(0)]
@@ -256,6 +260,9 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
                 inner_relaxed = inner_relaxed | step.relaxed
             searching = searching & ~step.accept
         inner_end, _ = after_rejection(p_k, q_k, cand[..., -1], searching & cand_live[..., -1])
+        if count_siblings:
+            sibling_tests = torch.where(rank > 0, rank, cand_live[..., 1:].sum(-1)) * \
+                ~first.accept[:, inner]
         chosen[:, inner] = torch.where(rank >= 0, kids.expand(batch, -1, -1).gather(
             2, rank.clamp_min(0)[..., None]).squeeze(-1), -1)
         taken[:, inner] = inner_taken
@@ -265,6 +272,11 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     edge = torch.ones(batch, size, dtype=torch.bool, device=p.device)
     edge[:, 1:] = chosen[:, tree.parent[1:]] == torch.arange(1, size, device=p.device)
     on_path = ~((~edge)[:, None, :] & tree.ancestors).any(-1)
+    sibling_passes = None
+    if sibling_tests is not None:
+        inner_on_path = on_path[:, tree.inner_nodes]
+        sibling_passes = ((rank > 0) & inner_on_path).sum(-1)
+        sibling_tests = (sibling_tests * inner_on_path).sum(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
     accepted = tree.depth[deepest]
     path = tree.route[deepest]
@@ -289,4 +301,4 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     kinds = torch.where(before_end, accepted_kind, final_kind[:, None])
     probability = torch.where(before_end | tested_at_end[:, None], taken.gather(1, path),
                               float("nan"))
-    return Verdict(path, accepted, tokens, kinds, probability)
+    return Verdict(path, accepted, tokens, kinds, probability, sibling_tests, sibling_passes)
