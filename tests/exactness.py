@@ -159,7 +159,8 @@ def goodness_of_fit(samples: torch.Tensor, probability: torch.Tensor,
 
 def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
                      node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
-                     final_uniform: torch.Tensor, rule=None, take: str = "first") -> verify.Verdict:
+                     final_uniform: torch.Tensor, rule=None, take: str = "first",
+                     count_siblings: bool = False) -> verify.Verdict:
     """Recursive rejection sampling on the draft tree, written node by node (for tests only).
 
     At every node its children (the candidates of the next slot) are tested in order against
@@ -169,7 +170,8 @@ def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor
     takes the last accepted child, a broken variant for the power tests. The path follows the
     taken children from the root; the slot after it is drawn from what the recursion left at
     its end (the target itself when nothing was tested there). Only ``path``, ``accepted`` and
-    ``tokens`` of the verdict carry meaning.
+    ``tokens`` of the verdict carry meaning (``count_siblings`` is accepted and ignored: the
+    verdict counts no siblings).
     """
     batch, size, _ = p.shape
     rows = torch.arange(batch)

@@ -335,7 +335,8 @@ def siblings_from_a_residual(monkeypatch):
     monkeypatch.setattr(engine._Decoder, "drop_finished", drop_finished)
 
 
-def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_uniform, rule):
+def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_uniform, rule,
+                       count_siblings=False):
     """The published tree rule: test every node on its own against (p, q) and take the longest
     accepted root-to-leaf row, with no residual between siblings."""
     batch, size, vocab = p.shape
@@ -411,7 +412,7 @@ def siblings_with_replacement(monkeypatch):
 def last_accepted_child(monkeypatch):
     """All candidates of a node are tested, and the last accepted one is taken."""
     monkeypatch.setattr(engine, "verify_tree",
-                        lambda *args: loop_verify_tree(*args, take="last"))
+                        lambda *args, **_: loop_verify_tree(*args, take="last"))
 
 
 def target_above_recorded_as_uniform(monkeypatch):

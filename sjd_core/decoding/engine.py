@@ -155,7 +155,8 @@ class _Decoder:
         target = process(cond, uncond, self.sampling)
         verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q,
                               uniforms[:, :tests].reshape(batch, tree.size, tree.branching),
-                              uniforms[:, tests], self.rule, self.acceleration.adaptive_shape)
+                              uniforms[:, tests], self.rule,
+                              count_siblings=self.acceleration.adaptive_shape)
 
         fed = tree.window
         offsets = torch.arange(fed, device=self.device)
