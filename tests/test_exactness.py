@@ -13,7 +13,7 @@ Run with ``-s`` to see the p-values.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -432,6 +432,26 @@ def copy_recorded_as_uniform(monkeypatch):
                                                                dtype=dtype))
 
 
+def uneven_tree_reads_the_level_above(monkeypatch):
+    """In a tree with fewer candidates at a deeper level (``adaptive_tree``), the deeper levels'
+    nodes take their tokens from the level above while they are verified as their own level's
+    candidates; ``auto`` is made to feed such trees only, picked at random."""
+    exact_build = DraftTree.build
+
+    def build(window, profile, device):
+        tree = exact_build(window, profile, device)
+        if len(set(profile)) < 2:
+            return tree
+        deeper = (tree.depth >= 2) & (tree.depth <= tree.tree_levels)
+        return replace(tree, flat_source=torch.where(deeper, tree.flat_source - tree.branching,
+                                                     tree.flat_source))
+
+    picker = random.Random(7)
+    monkeypatch.setattr(DraftTree, "build", staticmethod(build))
+    monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(
+        [shape for shape in plan.shapes if len(set(shape.profile)) > 1]))
+
+
 BUGS = {
     "VP verified against p instead of q'": (vp_verified_against_p, "sjd+vp"),
     "siblings drawn from a residual": (siblings_from_a_residual, "sjd+ac+pd K4 D3, left init"),
@@ -444,6 +464,8 @@ BUGS = {
     "above_target's q left uniform": (target_above_recorded_as_uniform,
                                       "sjd+ac, above_target init"),
     "a copied code recorded as uniform": (copy_recorded_as_uniform, "sjd, above init"),
+    "an uneven tree's deeper level reads the level above": (uneven_tree_reads_the_level_above,
+                                                            "auto"),
 }
 
 
@@ -467,6 +489,16 @@ def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
     monkeypatch.setattr(engine, "verify_tree", longest_row_verify)
     value = p_value(model, joint, "sjd", seed_offset=CONTROL)
     print(f"\nlongest-row verifier on a chain: p = {value:.3g}")
+    assert value > PASS_P
+
+
+def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
+    """The control of the uneven-tree power test: the same random uneven trees, built right."""
+    picker = random.Random(7)
+    monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(
+        [shape for shape in plan.shapes if len(set(shape.profile)) > 1]))
+    value = p_value(model, joint, "auto", seed_offset=CONTROL)
+    print(f"\nauto with uneven trees only: p = {value:.3g}")
     assert value > PASS_P
 
 
