@@ -193,6 +193,24 @@ def test_reference_benchmark_lists_how_often_each_draft_rule_passed():
         "  PAC+VP: drawn by VP 10/40 (25%); drawn from target 15/20 (75%)")
 
 
+def test_reference_benchmark_prints_how_well_vp_rises_predicted_the_committed_code():
+    counts = dict(slots=200, committed_code_rose=18, some_code_rose=60, likeliest_riser_committed=9)
+    rows = [{"mode": "AR", "vp_rises": dict.fromkeys(counts, 0)},
+            {"mode": "PAC+VP", "vp_rises": counts}]
+    assert benchmark.vp_rises(rows) == (
+        "  PAC+VP: of 200 slots, the committed code had risen in 9.0%; some code had risen in "
+        "30.0%, and there the likeliest riser was the committed code in 15.0%")
+
+
+def test_reference_benchmark_runs_the_rows_it_is_told_to_after_ar(capsys):
+    args = benchmark.parse_args(["--modes", "auto; AC+above+VP, N=1"])
+    assert [label for label, _ in args.modes] == ["AR", "auto", "AC+above+VP, N=1"]
+    assert benchmark.parse_args([]).modes is None  # every row of the table
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--modes", "auto;turbo"])
+    assert "--modes='auto;turbo' is not allowed" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode, window", [("auto", 32), ("pac", 16)])
 def test_demo_window_0_is_the_modes_own(tmp_path, capsys, mode, window):
     demo.main(["--prompt", "bag", "--mode", mode, "--no-baseline", "--out", str(tmp_path),

@@ -79,6 +79,13 @@ ABLATION: list[tuple[str, dict]] = [
     ("auto+LANTERN", {**AccelerationSettings.preset("auto").__dict__, "relaxed": "lantern"}),
     ("auto+GSD", {**AccelerationSettings.preset("auto").__dict__, "relaxed": "gsd"}),
 ]
+# VP's knobs, tried on the best 16-node base; run only when named with --modes.
+VP_VARIANTS: list[tuple[str, dict]] = [
+    ("AC+above+VP, N=1", {**_AC, **_ABOVE, **_VP, "vp_rises": 1}),
+    ("AC+above+VP, N=2", {**_AC, **_ABOVE, **_VP, "vp_rises": 2}),
+    ("AC+above+VP, top-k 5", {**_AC, **_ABOVE, **_VP, "vp_top_k": 5}),
+    ("AC+above+VP, decay 0.9", {**_AC, **_ABOVE, **_VP, "vp_decay": 0.9}),
+]
 WINDOW_SWEEP = (4, 8, 16, 24, 32)  # mean accepted length per window length, AC+above
 NODE_BUDGET = 34  # the largest lossless tree of the targets (today's PAC tree)
 
@@ -281,7 +288,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=None,
                         help="only these rows, by their names in the table separated by ';' (AR "
                              "always runs first, as the baseline; the window sweep is left out); "
-                             "default: every row")
+                             "also VP's variants, run only when named: "
+                             + "; ".join(label for label, _ in VP_VARIANTS)
+                             + " (default: every row of the table)")
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (default 0: the usable cores, at most 4)")
@@ -290,12 +299,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--per-class={args.per_class} is not allowed: it must be >= 2")
     if args.modes is not None:
         names = [name.strip() for name in args.modes.split(";") if name.strip()]
-        known = [label for label, _ in ABLATION]
+        known = [label for label, _ in ABLATION + VP_VARIANTS]
         unknown = [name for name in names if name not in known]
         if unknown or not names:
             parser.error(f"--modes={args.modes!r} is not allowed: name rows of the table, "
                          f"separated by ';', from {known}")
-        args.modes = [ABLATION[0]] + [row for row in ABLATION[1:] if row[0] in names]
+        args.modes = [ABLATION[0]] + [row for row in ABLATION[1:] + VP_VARIANTS
+                                      if row[0] in names]
     return args
 
 
