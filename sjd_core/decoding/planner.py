@@ -171,9 +171,9 @@ class AutoPlan:
         lengths = [n for n in _LENGTHS if n < settings.window] + [settings.window]
         self.shapes = [DraftTree.build(1, (), device)]
         self.shapes += [DraftTree.build(n, (), device) for n in lengths]
-        self.probes = [self.shapes[-1]]  # the longest window, and its full tree
-        full_tree = uniform_profile(settings.pd_candidates, settings.pd_depth)
+        self.probes = [self.shapes[-1]]  # the longest window, and its largest tree
         if settings.proactive_drafting:
+            full_tree = uniform_profile(settings.pd_candidates, settings.pd_depth)
             profiles = (tree_profiles(settings.pd_candidates, settings.pd_depth)
                         if settings.adaptive_tree else [full_tree])
             for profile in profiles:
@@ -182,8 +182,9 @@ class AutoPlan:
                 self.shapes += [DraftTree.build(n, profile, device) for n in
                                 sorted({n for n in lengths if n < longest} | {longest})
                                 if n > len(profile)]
-            self.probes += [shape for shape in self.shapes if shape.profile == full_tree
-                            and full_tree][-1:]
+            trees = [shape for shape in self.shapes if shape.tree_levels]
+            if trees:  # the full tree, unless a node budget leaves no room for it
+                self.probes.append(max(trees, key=lambda t: (t.profile == full_tree, t.size)))
         self._arrays()
         key = (str(device), request.batch_size, sampling, settings, request.resolution)
         try:
