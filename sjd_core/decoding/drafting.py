@@ -294,9 +294,8 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
-    rises = torch.where(known3 & (targets > last), state.vp_rises + 1,
-                        torch.zeros_like(state.vp_rises))
-    log_p = torch.log(targets.clamp_min(0.0))
+    rises = torch.where(known3 & (targets > last), state.vp_rises + 1, 0)
+    log_p = torch.log(targets)  # probabilities: never negative
     growth = log_p - torch.log(mean).clamp_min(_LOG_FLOOR)
     top = min(settings.vp_top_k, targets.shape[-1])
     kth = torch.topk(targets, top, dim=-1).values[..., -1:]
