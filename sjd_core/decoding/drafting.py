@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import MIN_MASS, flush_negligible, race_top, residual, sample
+from .sampling import MIN_MASS, NEGLIGIBLE, flush_negligible, race_top, residual, sample
 from .settings import AccelerationSettings
 
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
+_MEAN_FLOOR = 1e-31  # a normal float whose logarithm (-71.4) is below _LOG_FLOOR
 
 
 @dataclass(frozen=True)
@@ -295,8 +296,12 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
     rises = torch.where(known3 & (targets > last), state.vp_rises + 1, 0)
-    log_p = torch.log(targets)  # probabilities: never negative
-    growth = log_p - torch.log(mean).clamp_min(_LOG_FLOOR)
+    # The logarithm of 0 or of a subnormal float takes a CPU about ten times as long as that of a
+    # normal one, and most codes have probability 0: both logarithms read normal floats only.
+    # Targets are flushed probabilities (0 or >= NEGLIGIBLE), so log_p is log(targets) exactly;
+    # a mean below _MEAN_FLOOR has its logarithm below _LOG_FLOOR either way.
+    log_p = torch.log(targets.clamp_min(NEGLIGIBLE)).masked_fill_(targets == 0.0, float("-inf"))
+    growth = log_p - torch.log(mean.clamp_min(_MEAN_FLOOR)).clamp_min(_LOG_FLOOR)
     top = min(settings.vp_top_k, targets.shape[-1])
     kth = torch.topk(targets, top, dim=-1).values[..., -1:]
     boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
