@@ -42,9 +42,8 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
         sorted_logits, order = sort_descending(logits)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= settings.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        kept_sorted = sorted_logits.masked_fill(mass_before >= settings.top_p, float("-inf"))
+        logits = logits.scatter(-1, order, kept_sorted)  # every code back in its place
     return flush_negligible(torch.softmax(logits, dim=-1))
 
 
