@@ -320,13 +320,11 @@ def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, 
     offsets = torch.arange(window, device=shift.device) + shift[:, None]
     in_range = offsets < window
     index = offsets.clamp_max(window - 1)
+    rows = torch.arange(batch, device=shift.device)[:, None]
 
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        if x.dim() == 2:
-            return x.gather(1, index)
-        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+        # indexing copies each slot's whole distribution at once (a gather reads an index per code)
+        return None if x is None else x[rows, index]
 
     known = None if state.vp_known is None else take(state.vp_known) & in_range
     return WindowState(take(state.tokens), take(state.q), take(state.source),

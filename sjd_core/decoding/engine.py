@@ -186,7 +186,7 @@ class _Decoder:
         new_offsets = torch.arange(window, device=self.device) + count[:, None]
         has_target = new_offsets < fed
         stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(fed - 1))
-        stale = target.gather(1, stale_nodes[..., None].expand(-1, -1, vocab))
+        stale = target[torch.arange(batch, device=self.device)[:, None], stale_nodes]
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous, self.done = self.done, self.committed.tolist()
