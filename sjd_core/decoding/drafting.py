@@ -224,8 +224,8 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)
             if rule == "above_target":
-                column = canvas.column_targets.gather(
-                    1, (slot % canvas.width)[..., None].expand(-1, -1, vocab))
+                column = canvas.column_targets[torch.arange(batch, device=device)[:, None],
+                                               slot % canvas.width]
                 drawn, column = draw_from_target_above(column, uniforms)
                 above = torch.where(above_committed, drawn, above)
                 above_q = torch.where(above_committed[..., None], column, above_q)
