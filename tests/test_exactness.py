@@ -25,7 +25,7 @@ from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joi
 from sjd_core.decoding import drafting, engine, planner, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
-from sjd_core.decoding.sampling import process, residual, sample
+from sjd_core.decoding.sampling import process, residual, sample, sort_descending
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 SAMPLES = 20_000  # images per lossless mode, all in one generate call
@@ -163,6 +163,22 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
         want = _reference(logits, None, settings)[0]
         assert int((got > 0).sum()) == int((want > 0).sum()) == kept, top_p
         np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5)
+
+
+def test_top_p_sort_orders_ties_as_torch_sort():
+    """process sorts integer keys on the CPU; the order, ties included, must be torch.sort's
+    (top-p cuts between tied codes in that order). Half-precision logits tie often."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 512, generator=generator) * 4).half().float()
+    logits[0, :5] = 0.0
+    logits[0, 5:9] = -0.0
+    logits[1, :100] = float("-inf")
+    for rows in (logits, logits[:2], logits[:1]):
+        want = torch.sort(rows, dim=-1, descending=True)
+        got = sort_descending(rows)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(torch.sort(logits, dim=-1, descending=True, stable=True).indices,
+                           torch.sort(logits, dim=-1, descending=True).indices)  # ties exist
 
 
 def test_top_p_reads_the_tempered_distribution():

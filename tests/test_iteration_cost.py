@@ -20,7 +20,7 @@ from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 
 MARGIN = 1.05
 # median engine operations per iteration (outside the session's forward and keep)
-PINNED = {"ar": 37, "pac+vp": 506}
+PINNED = {"ar": 35, "pac+vp": 506}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

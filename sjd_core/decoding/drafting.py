@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import MIN_MASS, flush_negligible, race_top, residual, sample
+from .sampling import MIN_MASS, NEGLIGIBLE, flush_negligible, race_top, residual, sample
 from .settings import AccelerationSettings
 
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
+_MEAN_FLOOR = 1e-31  # a normal float whose logarithm (-71.4) is below _LOG_FLOOR
 
 
 def uniform_profile(candidates: int, depth: int) -> tuple[int, ...]:
@@ -253,8 +254,8 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)
             if rule == "above_target":
-                column = canvas.column_targets.gather(
-                    1, (slot % canvas.width)[..., None].expand(-1, -1, vocab))
+                column = canvas.column_targets[torch.arange(batch, device=device)[:, None],
+                                               slot % canvas.width]
                 drawn, column = draw_from_target_above(column, uniforms)
                 above = torch.where(above_committed, drawn, above)
                 above_q = torch.where(above_committed[..., None], column, above_q)
@@ -324,10 +325,13 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
-    rises = torch.where(known3 & (targets > last), state.vp_rises + 1,
-                        torch.zeros_like(state.vp_rises))
-    log_p = torch.log(targets.clamp_min(0.0))
-    growth = log_p - torch.log(mean).clamp_min(_LOG_FLOOR)
+    rises = torch.where(known3 & (targets > last), state.vp_rises + 1, 0)
+    # The logarithm of 0 or of a subnormal float takes a CPU about ten times as long as that of a
+    # normal one, and most codes have probability 0: both logarithms read normal floats only.
+    # Targets are flushed probabilities (0 or >= NEGLIGIBLE), so log_p is log(targets) exactly;
+    # a mean below _MEAN_FLOOR has its logarithm below _LOG_FLOOR either way.
+    log_p = torch.log(targets.clamp_min(NEGLIGIBLE)).masked_fill_(targets == 0.0, float("-inf"))
+    growth = log_p - torch.log(mean.clamp_min(_MEAN_FLOOR)).clamp_min(_LOG_FLOOR)
     top = min(settings.vp_top_k, targets.shape[-1])
     kth = torch.topk(targets, top, dim=-1).values[..., -1:]
     boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
@@ -346,13 +350,11 @@ def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, 
     offsets = torch.arange(window, device=shift.device) + shift[:, None]
     in_range = offsets < window
     index = offsets.clamp_max(window - 1)
+    rows = torch.arange(batch, device=shift.device)[:, None]
 
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        if x.dim() == 2:
-            return x.gather(1, index)
-        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+        # indexing copies each slot's whole distribution at once (a gather reads an index per code)
+        return None if x is None else x[rows, index]
 
     known = None if state.vp_known is None else take(state.vp_known) & in_range
     return WindowState(take(state.tokens), take(state.q), take(state.source),

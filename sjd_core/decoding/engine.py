@@ -161,8 +161,8 @@ class _Decoder:
         fed = tree.window
         offsets = torch.arange(fed, device=self.device)
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
-        along_path = target.gather(1, verdict.path[..., None].expand(-1, -1, vocab))
-        forced = (along_path.amax(-1) >= _FORCED_MASS) & (verdict.kinds != RELAXED)
+        forced = ((target.amax(-1).gather(1, verdict.path) >= _FORCED_MASS)
+                  & (verdict.kinds != RELAXED))
         kinds = torch.where(forced, FORCED, verdict.kinds)
         tested = node_source.gather(1, torch.cat([verdict.path[:, 1:], verdict.path[:, -1:]], 1))
         sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
@@ -172,7 +172,9 @@ class _Decoder:
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
         if self.column_targets is not None:
             columns = torch.where(offsets < count[:, None], window_slots % self.width, self.width)
-            self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab), along_path)
+            self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab),
+                                         target.gather(1, verdict.path[..., None]
+                                                       .expand(-1, -1, vocab)))
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
@@ -188,8 +190,8 @@ class _Decoder:
         shifted, _ = shift_window(self.state, count)
         new_offsets = torch.arange(window, device=self.device) + count[:, None]
         has_target = new_offsets < fed
-        stale = along_path.gather(1, new_offsets.clamp_max(fed - 1)[..., None]
-                                  .expand(-1, -1, vocab))
+        stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(fed - 1))
+        stale = target[torch.arange(batch, device=self.device)[:, None], stale_nodes]
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous = self.done

@@ -31,37 +31,38 @@ class KVStore:
         self._buffers: list[torch.Tensor | None] = []  # per layer: (2, rows, heads, capacity, dim)
         self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: its keys, values
         self._columns: torch.Tensor | None = None
-        self._write_index: dict[tuple, torch.Tensor] = {}
+        self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def plan(self, columns: torch.Tensor, width: int) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
         read columns ``0 .. width - 1``."""
         self._columns, self.width = columns, width
-        self._write_index.clear()
+        self._write_indices.clear()
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new (rows, heads, tokens, dim) keys and values; return its cached views."""
         cached_keys, cached_values = self._layer(layer, keys, values)
-        index = self._expanded(self._write_index, self._columns, keys.shape, keys.device)
-        cached_keys.scatter_(2, index, keys)
-        cached_values.scatter_(2, index, values)
+        rows, columns = self._write_index(keys.device)
+        cached_keys[rows, :, columns] = keys.transpose(1, 2)
+        cached_values[rows, :, columns] = values.transpose(1, 2)
         return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
 
     def compact(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """In every row, move the entries at columns ``source`` (rows, n) to columns ``target``."""
-        indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        """In every row, move the entries at columns ``source`` (rows, n) to columns ``target``.
+
+        Each entry moves as a whole (its ``dim`` values at once), one indexed copy per layer.
+        """
+        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for buffer in self._buffers:
             if buffer is None:
                 continue
-            key = (buffer.device, buffer.shape)
-            if key not in indices:
-                rows, n = source.shape
-                shape = (2, rows, buffer.shape[2], n, buffer.shape[4])
-                indices[key] = tuple(to_device(columns, buffer.device).view(1, rows, 1, n, 1).expand(shape)
-                                     for columns in (source, target))
-            take, put = indices[key]
-            buffer.scatter_(3, put, buffer.gather(3, take))
+            if buffer.device not in indices:
+                rows = torch.arange(source.shape[0], device=buffer.device)[:, None]
+                indices[buffer.device] = (rows, to_device(source, buffer.device),
+                                          to_device(target, buffer.device))
+            rows, take, put = indices[buffer.device]
+            buffer[:, rows, :, put] = buffer[:, rows, :, take]
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
@@ -101,13 +102,11 @@ class KVStore:
         self._set(buffers)
         return self._views[layer]
 
-    @staticmethod
-    def _expanded(known: dict, columns: torch.Tensor, shape: torch.Size, device: torch.device
-                  ) -> torch.Tensor:
-        """``columns`` (rows, n) as a scatter index of ``shape`` (rows, heads, n, dim) on ``device``,
-        built once per forward for each device and shape the layers use."""
-        key = (device, shape)
-        if key not in known:
-            rows, n = columns.shape
-            known[key] = to_device(columns, device).view(rows, 1, n, 1).expand(shape)
-        return known[key]
+    def _write_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, 1) row numbers and the planned (rows, n) columns on ``device``, which index a
+        layer's (rows, heads, capacity, dim) buffer at every new entry; made once per forward
+        and device."""
+        if device not in self._write_indices:
+            rows = torch.arange(self._columns.shape[0], device=device)[:, None]
+            self._write_indices[device] = (rows, to_device(self._columns, device))
+        return self._write_indices[device]
