@@ -74,7 +74,8 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
     "adaptive_tree": ("AUTO with PD: try every tree up to K candidates and depth D, with fewer "
                       "candidates where guesses pass more often, and feed the one expected to "
                       "pay most; off: only the full K x D tree. Lossless. 'as mode' follows the "
-                      "sampler's mode (on in AUTO).", None, None, None),
+                      "sampler's mode (off in every mode: on the reference model it did not "
+                      "pay).", None, None, None),
     "shape_cost": ("What AUTO saves: time = seconds on this machine (measured as it runs); "
                    "passes = forward passes, every shape of at most 'window' nodes counting as "
                    "one (for a GPU with room to spare: window and tree then share that node "

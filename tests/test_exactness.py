@@ -66,7 +66,11 @@ MODES = {
     "sjd+ac, above_target init": Mode(dict(window=3, init="above_target",
                                            adaptive_continuation=True), seed=113),
     "auto": Mode(dict(AUTO, window=6), seed=114),
+    "auto, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True), seed=115),
+    "auto per pass, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True,
+                                              shape_cost="passes"), seed=116),
 }
+ADAPTIVE = "auto, adaptive tree"  # the mode whose shapes include uneven trees
 
 
 def settings_of(mode: str) -> AccelerationSettings:
@@ -225,8 +229,8 @@ def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):
     switch occurs many times in one run, and the output must still be the model's."""
     picker = random.Random(115)
     monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(plan.shapes))
-    draws = sample_images(model, tiny_sampling(), settings_of("auto"), SAMPLES,
-                          seed=MODES["auto"].seed * SEED_SPACING + RANDOM_SHAPES)
+    draws = sample_images(model, tiny_sampling(), settings_of(ADAPTIVE), SAMPLES,
+                          seed=MODES[ADAPTIVE].seed * SEED_SPACING + RANDOM_SHAPES)
     value = goodness_of_fit(draws, joint)
     print(f"\ndistribution test, auto with shapes at random: p = {value:.3g} ({SAMPLES} samples)")
     assert value > PASS_P
@@ -481,7 +485,7 @@ BUGS = {
                                       "sjd+ac, above_target init"),
     "a copied code recorded as uniform": (copy_recorded_as_uniform, "sjd, above init"),
     "an uneven tree's deeper level reads the level above": (uneven_tree_reads_the_level_above,
-                                                            "auto"),
+                                                            ADAPTIVE),
 }
 
 
@@ -513,7 +517,7 @@ def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
     picker = random.Random(7)
     monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(
         [shape for shape in plan.shapes if len(set(shape.profile)) > 1]))
-    value = p_value(model, joint, "auto", seed_offset=CONTROL)
+    value = p_value(model, joint, ADAPTIVE, seed_offset=CONTROL)
     print(f"\nauto with uneven trees only: p = {value:.3g}")
     assert value > PASS_P
 

@@ -20,7 +20,7 @@ class _Model:
 
 
 def plan_for(**overrides: object) -> AutoPlan:
-    settings = AccelerationSettings.preset("auto", **overrides)
+    settings = AccelerationSettings.preset("auto", **{"adaptive_tree": True, **overrides})
     return AutoPlan(settings, _Model(), GenerationRequest(prompt="x"), SamplingSettings(), CPU,
                     lambda iteration: None)
 

@@ -237,7 +237,7 @@ class AccelerationSettings:
         base = {
             "auto": dict(window=32, init="above_target", adaptive_continuation=True,
                          proactive_drafting=True, pd_candidates=3, pd_depth=3,
-                         adaptive_shape=True, adaptive_tree=True),
+                         adaptive_shape=True),
             "ar": dict(window=1),
             "sjd": dict(),
             "pac": dict(adaptive_continuation=True, proactive_drafting=True),
