@@ -466,8 +466,13 @@ def uneven_tree_reads_the_level_above(monkeypatch):
         return replace(tree, flat_source=torch.where(deeper, tree.flat_source - tree.branching,
                                                      tree.flat_source))
 
-    picker = random.Random(7)
     monkeypatch.setattr(DraftTree, "build", staticmethod(build))
+    feed_uneven_trees(monkeypatch)
+
+
+def feed_uneven_trees(monkeypatch):
+    """``auto`` picks, every iteration, one of its uneven trees at random."""
+    picker = random.Random(7)
     monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(
         [shape for shape in plan.shapes if len(set(shape.profile)) > 1]))
 
@@ -514,9 +519,7 @@ def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
 
 def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
     """The control of the uneven-tree power test: the same random uneven trees, built right."""
-    picker = random.Random(7)
-    monkeypatch.setattr(planner.AutoPlan, "choose", lambda plan: picker.choice(
-        [shape for shape in plan.shapes if len(set(shape.profile)) > 1]))
+    feed_uneven_trees(monkeypatch)
     value = p_value(model, joint, ADAPTIVE, seed_offset=CONTROL)
     print(f"\nauto with uneven trees only: p = {value:.3g}")
     assert value > PASS_P

@@ -170,11 +170,11 @@ class _Decoder:
         writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
                                                        self.slots)
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
+        rows = torch.arange(batch, device=self.device)[:, None]
         if self.column_targets is not None:
             columns = torch.where(offsets < count[:, None], window_slots % self.width, self.width)
             self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab),
-                                         target.gather(1, verdict.path[..., None]
-                                                       .expand(-1, -1, vocab)))
+                                         target[rows, verdict.path])
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
@@ -191,7 +191,7 @@ class _Decoder:
         new_offsets = torch.arange(window, device=self.device) + count[:, None]
         has_target = new_offsets < fed
         stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(fed - 1))
-        stale = target[torch.arange(batch, device=self.device)[:, None], stale_nodes]
+        stale = target[rows, stale_nodes]
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous = self.done

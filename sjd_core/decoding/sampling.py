@@ -74,19 +74,23 @@ def flush_negligible(probabilities: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.threshold(probabilities, _LAST_FLUSHED, 0.0)
 
 
-def normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """``weights / weights.sum()`` along the last axis; ``fallback`` where the mass is ~0."""
+def normalise(weights: torch.Tensor, fallback: torch.Tensor,
+              where: torch.Tensor | None = None) -> torch.Tensor:
+    """``weights / weights.sum()`` along the last axis; ``fallback`` where the mass is ~0, and
+    where ``where`` (..., 1) is False (one selection for both)."""
     mass = weights.sum(-1, keepdim=True)
-    return torch.where(mass > MIN_MASS, weights / mass.clamp_min(MIN_MASS), fallback)
+    keep = mass > MIN_MASS if where is None else where & (mass > MIN_MASS)
+    return torch.where(keep, weights / mass.clamp_min(MIN_MASS), fallback)
 
 
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))``: what a rejected draft is replaced by (exactness lemma).
+def residual(p: torch.Tensor, q: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm(max(0, p - q))``: what a rejected draft is replaced by (exactness lemma); ``p``
+    itself where ``where`` (..., 1) is False.
 
     When ``p == q`` the residual is empty; a draft from q is then always accepted, so the value
     returned (``p``) is never used for a draw that matters.
     """
-    return normalise((p - q).clamp_min(0.0), p)
+    return normalise((p - q).clamp_min(0.0), p, where)
 
 
 def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftTree
-from .sampling import MIN_MASS, residual, sample
+from .sampling import normalise, residual, sample
 from .settings import AccelerationSettings
 
 ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
@@ -199,21 +199,9 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
 
 def after_rejection(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
                     rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p_{k+1}, q_{k+1})`` where candidate ``x`` was tested and ``rejected``; else unchanged.
-
-    ``p_{k+1}`` is ``residual(p, q)`` and ``q_{k+1}`` is ``normalise(q without x, q)``; each is
-    chosen with one selection over the full distributions.
-    """
+    """``(p_{k+1}, q_{k+1})`` where candidate ``x`` was tested and ``rejected``; else unchanged."""
     rejected = rejected[..., None]
-    return (_renormalised_where(rejected, (p - q).clamp_min(0.0), p),
-            _renormalised_where(rejected, q.scatter(-1, x[..., None], 0.0), q))
-
-
-def _renormalised_where(rejected: torch.Tensor, weights: torch.Tensor, unchanged: torch.Tensor
-                        ) -> torch.Tensor:
-    """``normalise(weights, unchanged)`` where ``rejected`` (..., 1), ``unchanged`` elsewhere."""
-    mass = weights.sum(-1, keepdim=True)
-    return torch.where(rejected & (mass > MIN_MASS), weights / mass.clamp_min(MIN_MASS), unchanged)
+    return residual(p, q, rejected), normalise(q.scatter(-1, x[..., None], 0.0), q, rejected)
 
 
 def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
