@@ -58,13 +58,10 @@ def target_distribution(cond: np.ndarray, uncond: np.ndarray | None, guidance: f
     top = np.where(kept, logits, -np.inf).max(axis=-1, keepdims=True)
     weights = np.where(kept, np.exp(logits - top), 0.0)
     probs = weights / weights.sum(axis=-1, keepdims=True)
-    if top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")  # most likely first; ties: lower code
-        ranked = np.take_along_axis(probs, order, axis=-1)
-        mass_before = np.cumsum(ranked, axis=-1) - ranked
-        nucleus = np.zeros(probs.shape, dtype=bool)
-        np.put_along_axis(nucleus, order, (mass_before < top_p) & (ranked > 0), axis=-1)
-        probs = np.where(nucleus, probs, 0.0)
+    if top_p < 1.0:  # a code stays while the codes strictly more likely hold less than top_p
+        more_likely = probs[..., None, :] > probs[..., :, None]
+        mass_above = np.where(more_likely, probs[..., None, :], 0.0).sum(-1)
+        probs = np.where((mass_above < top_p) & (probs > 0), probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)
     return probs
 

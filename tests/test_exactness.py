@@ -12,6 +12,7 @@ Run with ``-s`` to see the p-values.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 
@@ -22,10 +23,10 @@ import torch
 from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
                        loop_verify_tree, sample_images, target_distribution, tiny_model,
                        tiny_sampling)
-from sjd_core.decoding import drafting, engine, planner, verify
+from sjd_core.decoding import drafting, engine, planner, sampling, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
-from sjd_core.decoding.sampling import process, residual, sample, sort_descending
+from sjd_core.decoding.sampling import MASS_UNIT, nucleus_floor, process, residual, sample
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 SAMPLES = 20_000  # images per lossless mode, all in one generate call
@@ -169,20 +170,40 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
         np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5)
 
 
-def test_top_p_sort_orders_ties_as_torch_sort():
-    """process sorts integer keys on the CPU; the order, ties included, must be torch.sort's
-    (top-p cuts between tied codes in that order). Half-precision logits tie often."""
-    generator = torch.Generator().manual_seed(3)
-    logits = (torch.randn(64, 512, generator=generator) * 4).half().float()
-    logits[0, :5] = 0.0
-    logits[0, 5:9] = -0.0
-    logits[1, :100] = float("-inf")
-    for rows in (logits, logits[:2], logits[:1]):
-        want = torch.sort(rows, dim=-1, descending=True)
-        got = sort_descending(rows)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert not torch.equal(torch.sort(logits, dim=-1, descending=True, stable=True).indices,
-                           torch.sort(logits, dim=-1, descending=True).indices)  # ties exist
+def test_top_p_keeps_every_code_tied_at_its_edge():
+    """Probabilities [0.4, 0.3, 0.3] and top_p = 0.5: the codes strictly more likely than either
+    0.3 hold 0.4 < 0.5, so both tied codes stay (no order among equals decides)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.3, 0.0]]))
+    got = process(logits, None, SamplingSettings(top_p=0.5))[0]
+    assert (got > 0).tolist() == [True, True, True, False]
+    np.testing.assert_allclose(got[:3].double().numpy(), [0.4, 0.3, 0.3], rtol=1e-5)
+
+
+def _kept_by_definition(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Codes whose strictly more likely codes hold fewer than ``top_p`` in whole mass units."""
+    units = (probabilities.double() / MASS_UNIT).floor()
+    more_likely = probabilities[..., None, :] > probabilities[..., :, None]
+    return (more_likely * units[..., None, :]).sum(-1) < math.ceil(top_p / MASS_UNIT)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 12), (34, 512), (136, 512), (2, 3000)])
+def test_nucleus_floor_sorted_and_radix_select_agree(rows, vocab, monkeypatch):
+    """Both ways of finding top-p's floor keep exactly the codes the definition keeps, on
+    distributions with many ties (half-precision logits), codes of probability 0, a flat row,
+    one certain code, and top_p from tiny to almost 1."""
+    generator = torch.Generator().manual_seed(rows * vocab)
+    for trial, top_p in enumerate((1e-6, 0.3, 0.9, 0.999, 1 - 1e-9)):
+        logits = (torch.randn(rows, vocab, generator=generator) * (1 + 3 * trial)).half().float()
+        logits[0, : vocab // 3] = float("-inf")
+        logits[-1] = 0.0 if trial % 2 else float("-inf")
+        logits[-1, -1] = 0.0
+        probabilities = torch.softmax(logits, dim=-1)
+        want = _kept_by_definition(probabilities, top_p)
+        for sorted_codes in (0, 10**9):
+            monkeypatch.setattr(sampling, "_SORTED_CODES", sorted_codes)
+            got = probabilities >= nucleus_floor(probabilities, top_p)
+            assert torch.equal(got, want), (top_p, sorted_codes)
+    assert (probabilities == probabilities[:, :1]).sum() > rows  # ties were there
 
 
 def test_top_p_reads_the_tempered_distribution():

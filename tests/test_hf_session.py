@@ -304,6 +304,17 @@ def test_slots_or_committed_that_do_not_continue_the_cache_are_refused(llama):
 
 
 @torch.no_grad()
+def test_keeping_more_than_a_path_is_refused(llama):
+    """Two siblings kept at once are not a path: the next forward refuses to continue."""
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
+    siblings = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # 0 -> 1, 0 -> 2
+    session.forward(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 0]]), siblings, [0])
+    session.keep(torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"a path of the tree"):
+        window_forward(session, [CODES], [3])
+
+
+@torch.no_grad()
 def test_bad_arguments_name_the_input(llama):
     with pytest.raises(ValueError, match="max_nodes=0 is not allowed"):
         HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID, max_nodes=0)

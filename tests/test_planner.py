@@ -42,7 +42,10 @@ def test_tree_profiles_and_their_node_counts():
     assert tree_profiles(2, 2) == [(2,)]
     tree = DraftTree.build(8, (3, 1), CPU)
     assert tree.size == 1 + 3 + 3 + (8 - 1 - 2)
-    assert tree.children[1:4, 0].tolist() == [4, 5, 6] and (tree.children[1:4, 1:] == -1).all()
+    # the root's candidates are node 1 (the main path, nodes 0..7) and nodes 8, 9; one each below
+    assert tree.children[0].tolist() == [1, 8, 9]
+    assert tree.children[[1, 8, 9], 0].tolist() == [2, 10, 11]
+    assert (tree.children[[1, 8, 9], 1:] == -1).all()
     assert describe_shape(tree) == "window 8, PD 3-1"
     assert describe_shape(DraftTree.build(8, (3, 3), CPU)) == "window 8, PD 3x3"
     for bad in [(1,), (2, 3), (2, 2, 2, 2, 2, 2, 2, 2)]:

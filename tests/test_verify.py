@@ -17,7 +17,11 @@ def test_pd_tree_shape_matches_the_published_count():
     tree = DraftTree.build(16, (4, 4), torch.device("cpu"))
     assert tree.size == 1 + 4 + 16 + 13  # root, two levels of 4 candidates, chain to depth 15
     assert int(tree.depth.max()) == 15
-    assert tree.inner_nodes.tolist() == [0, 1, 2, 3, 4]
+    # nodes 0..15 are the main path (every node's first candidate), then the rest breadth-first
+    assert tree.depth[:16].tolist() == list(range(16))
+    assert tree.children[:15, 0].tolist() == list(range(1, 16))
+    assert tree.depth[16:].tolist() == [1] * 3 + [2] * 15
+    assert tree.inner_nodes.tolist() == [0, 1, 16, 17, 18]
     for node in range(tree.size):  # every node sees exactly its ancestors and itself
         walk, seen = node, set()
         while walk >= 0:

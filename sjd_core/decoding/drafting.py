@@ -53,7 +53,7 @@ class DraftTree:
     ``profile`` (K_1, ..., K_m) gives every node of depth ``d - 1 < m`` ``K_d`` children, the
     candidates of window offset ``d - 1``; past the tree a single chain continues from the main
     path (candidate 0 at every level) to depth ``window - 1``. Without PD the whole window is that
-    chain. Nodes are in breadth-first order.
+    chain. Nodes 0 .. window - 1 are the main path; the others follow in breadth-first order.
     """
 
     window: int
@@ -119,6 +119,15 @@ class DraftTree:
             level_nodes = new_level
             main.append(children[main[-1]][0])
         size = len(parent)
+        # the main path first, then the rest breadth-first: an accepted path along the main
+        # path is then already in place in the cache, and others differ only inside the tree
+        order = main + [node for node in range(size) if node not in set(main)]
+        new_id = np.empty(size, dtype=np.int64)
+        new_id[order] = np.arange(size)
+        parent = [-1 if parent[node] < 0 else int(new_id[parent[node]]) for node in order]
+        depth, source = [depth[node] for node in order], [source[node] for node in order]
+        children = [[int(new_id[kid]) for kid in children[node]] for node in order]
+        main = list(range(window))
         child_table = np.full((size, branching), -1, dtype=np.int64)
         for node, kids in enumerate(children):
             child_table[node, : len(kids)] = kids

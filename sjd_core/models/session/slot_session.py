@@ -39,6 +39,8 @@ class Fed:
 
     nodes: int
     masked: bool  # whether the forward attended through the mask buffer
+    path_tokens: int  # the most tokens a row can keep: a path, one node per depth
+    moved: slice | None  # the kept columns that may have to move (None: none ever moves)
     positions: torch.Tensor
     columns: torch.Tensor  # (R, tokens)
     column_index: torch.Tensor  # (R, 1, tokens): the same, shaped to index the mask
@@ -130,11 +132,13 @@ class SlotSession(DecodingSession):
         """Feed ``codes`` at ``slots`` (B, T) under the (T, T) ``ancestors`` mask; see the protocol."""
         done = self._check_inputs(codes, slots, ancestors, committed)
         self._drop_unkept()
-        depth, host_ancestors, tree_block = self._tree_of(ancestors)
+        depth, host_ancestors, tree_block, moved = self._tree_of(ancestors)
         rows_done = np.concatenate([done, done]) if self.guided else done
         plan = self.layout.plan(rows_done, depth, host_ancestors)
         self._reserve(plan)
-        fed = self._to_device(plan, rows_done == 0 if min(committed) == 0 else None)
+        path_tokens = min(self.layout.tokens_per_forward(int(depth.max()) + 1), plan.tokens)
+        fed = self._to_device(plan, rows_done == 0 if min(committed) == 0 else None, path_tokens,
+                              slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
         self.store.plan(fed.columns, plan.width)
@@ -188,10 +192,13 @@ class SlotSession(DecodingSession):
         return done if done.dtype == np.int64 else done.astype(np.int64)
 
     def _tree_of(self, ancestors: torch.Tensor | np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """(depth (T,), host ancestors (T, T), the tree's mask values (1, T, T) on the device).
+                 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, slice | None]:
+        """(depth (T,), host ancestors (T, T), the tree's mask values (1, T, T) on the device,
+        the places along a kept path where a node may sit elsewhere than at its own place).
 
-        Host ancestors (a numpy array, as the engine passes them) need no read; a tensor is read
+        A path from the root keeps its nodes in fed order; the k-th of them moves to the k-th
+        fed column unless it is already the k-th fed node. The last item covers every k where
+        that may fail, over all paths (None: it never fails, as on a chain). Host ancestors (a numpy array, as the engine passes them) need no read; a tensor is read
         to the host once. Either way the result is kept per distinct tree (a tensor changed in
         place is read again, unless made under inference mode, which does not record changes).
         """
@@ -207,7 +214,10 @@ class SlotSession(DecodingSession):
         else:
             host = ancestors.to("cpu", torch.bool).numpy()
         block = self.mask.values(host_to_device({"tree": host}, self.device)["tree"])[None]
-        shape = (host.sum(1).astype(np.int64) - 1, host, block)
+        place = host.cumsum(1) - 1  # the place of each node on the path to each node
+        elsewhere = place[host & (place != np.arange(host.shape[0]))]
+        moved = slice(int(elsewhere.min()), int(elsewhere.max()) + 1) if elsewhere.size else None
+        shape = (host.sum(1).astype(np.int64) - 1, host, block, moved)
         self._trees = [known for known in self._trees if known[0]() is not None][-15:]
         self._trees.append((weakref.ref(ancestors), version, shape))
         return shape
@@ -220,9 +230,10 @@ class SlotSession(DecodingSession):
             self.store.reserve(capacity)
             self.mask.reserve(query_rows, capacity)
 
-    def _to_device(self, plan: FedLayout, starting: np.ndarray | None) -> Fed:
+    def _to_device(self, plan: FedLayout, starting: np.ndarray | None, path_tokens: int,
+                   moved: slice | None) -> Fed:
         """The layout's arrays on the device; ``starting`` (rows,) marks rows whose node 0 is the
-        slot -1 token (None: no row)."""
+        slot -1 token (None: no row); ``path_tokens`` and ``moved`` as in :class:`Fed`."""
         arrays = {"positions": plan.positions, "columns": plan.columns,
                   "slots": plan.slots[: self.batch_size]}
         if starting is not None:
@@ -235,8 +246,9 @@ class SlotSession(DecodingSession):
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
         masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width
-        return Fed(plan.slots.shape[1], masked, tensors["positions"], columns, columns[:, None],
-                   tensors["slots"], *(tensors.get(name) for name in _OPTIONAL))
+        return Fed(plan.slots.shape[1], masked, path_tokens, moved, tensors["positions"],
+                   columns, columns[:, None], tensors["slots"],
+                   *(tensors.get(name) for name in _OPTIONAL))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
         """Fail (on the device, without waiting for it) when the slots or committed counts do not
@@ -246,15 +258,18 @@ class SlotSession(DecodingSession):
             continues &= (self._kept == fed.expected_kept).all()
         torch._assert_async(continues, "forward: slots and committed do not continue the cache: "
                             "node 0 must sit at slot committed[b] - 1, every node at that slot plus "
-                            "its depth in the tree, and committed must grow by the nodes kept")
+                            "its depth in the tree, and committed must grow by the nodes kept (a "
+                            "path of the tree)")
 
     # ------------------------------------------------------------------ keep and retain
     @torch.no_grad()
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the entries of the fed nodes where ``mask`` (B, T) is True, per row; drop the rest.
 
-        A kept node keeps all its tokens (code and row end). Kept entries move, in fed order, to
-        the columns right after the row's cached prefix; dropped ones are blocked in the mask.
+        The kept nodes of a row are a path of the fed tree (at most one node per depth; the next
+        forward fails when a row kept more). A kept node keeps all its tokens (code and row end). Kept entries move,
+        in fed order, to the columns right after the row's cached prefix (only as many columns
+        move as a path can hold); dropped ones are blocked in the mask.
         """
         fed = self._fed
         if fed is None:
@@ -270,8 +285,10 @@ class SlotSession(DecodingSession):
             keep = keep.gather(1, fed.token_node) & fed.real
         kept = keep.sum(1)
         if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
-            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-            self.store.compact(fed.columns.gather(1, order), fed.columns)
+            kept = kept.clamp_max(fed.path_tokens)  # more fails the next forward's check
+        if fed.moved is not None:
+            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, fed.moved]
+            self.store.compact(fed.columns.gather(1, order), fed.columns[:, fed.moved])
         if fed.masked:
             self.mask.settle(fed.column_index, kept)
         self._kept = kept
