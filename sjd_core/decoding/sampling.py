@@ -61,12 +61,11 @@ def nucleus_floor(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
     """
     probabilities = probabilities.float()
     need = math.ceil(top_p / MASS_UNIT)
-    units = (probabilities / MASS_UNIT).to(torch.int32)
     if probabilities.device.type != "cpu" or probabilities.numel() <= _SORTED_CODES:
-        ranked, order = torch.sort(probabilities, dim=-1, descending=True)
-        short = (units.gather(-1, order).cumsum(-1) < need).sum(-1, keepdim=True)
+        ranked = torch.sort(probabilities, dim=-1, descending=True).values
+        short = ((ranked / MASS_UNIT).to(torch.int32).cumsum(-1) < need).sum(-1, keepdim=True)
         return ranked.gather(-1, short.clamp_max(ranked.shape[-1] - 1))
-    return _radix_floor(probabilities, units, need)
+    return _radix_floor(probabilities, (probabilities / MASS_UNIT).to(torch.int32), need)
 
 
 MASS_UNIT = 2.0 ** -30  # ``nucleus_floor`` sums masses in these units (a distribution < 2**31)
