@@ -26,7 +26,8 @@ from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joi
 from sjd_core.decoding import drafting, engine, planner, sampling, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
-from sjd_core.decoding.sampling import MASS_UNIT, nucleus_floor, process, residual, sample
+from sjd_core.decoding.sampling import (MASS_UNIT, mass_units, nucleus_floor, process, residual,
+                                        sample)
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 
 SAMPLES = 20_000  # images per lossless mode, all in one generate call
@@ -179,11 +180,10 @@ def test_top_p_keeps_every_code_tied_at_its_edge():
     np.testing.assert_allclose(got[:3].double().numpy(), [0.4, 0.3, 0.3], rtol=1e-5)
 
 
-def _kept_by_definition(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Codes whose strictly more likely codes hold fewer than ``top_p`` in whole mass units."""
-    units = (probabilities.double() / MASS_UNIT).floor()
-    more_likely = probabilities[..., None, :] > probabilities[..., :, None]
-    return (more_likely * units[..., None, :]).sum(-1) < math.ceil(top_p / MASS_UNIT)
+def _kept_by_definition(units: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Codes whose codes with more mass units hold fewer than ``top_p`` in those units."""
+    more = units[..., None, :] > units[..., :, None]
+    return (more * units[..., None, :].long()).sum(-1) < math.ceil(top_p / MASS_UNIT)
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 12), (34, 512), (136, 512), (2, 3000)])
@@ -197,13 +197,13 @@ def test_nucleus_floor_sorted_and_radix_select_agree(rows, vocab, monkeypatch):
         logits[0, : vocab // 3] = float("-inf")
         logits[-1] = 0.0 if trial % 2 else float("-inf")
         logits[-1, -1] = 0.0
-        probabilities = torch.softmax(logits, dim=-1)
-        want = _kept_by_definition(probabilities, top_p)
+        units = mass_units(torch.softmax(logits, dim=-1))
+        want = _kept_by_definition(units, top_p)
         for sorted_codes in (0, 10**9):
             monkeypatch.setattr(sampling, "_SORTED_CODES", sorted_codes)
-            got = probabilities >= nucleus_floor(probabilities, top_p)
+            got = units >= nucleus_floor(units, top_p)
             assert torch.equal(got, want), (top_p, sorted_codes)
-    assert (probabilities == probabilities[:, :1]).sum() > rows  # ties were there
+    assert (units == units[:, :1]).sum() > rows  # ties were there
 
 
 def test_top_p_reads_the_tempered_distribution():

@@ -41,54 +41,58 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
         kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if settings.top_p < 1.0:
-        probabilities = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probabilities < nucleus_floor(probabilities, settings.top_p),
-                                    float("-inf"))
+        units = mass_units(torch.softmax(logits, dim=-1))
+        logits = logits.masked_fill(units < nucleus_floor(units, settings.top_p), float("-inf"))
     return flush_negligible(torch.softmax(logits, dim=-1))
 
 
-def nucleus_floor(probabilities: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The least probability top-p keeps, per distribution (..., 1): a code is kept when the
-    mass of the codes strictly more likely than it is below ``top_p``.
+MASS_UNIT = 2.0 ** -30  # top-p counts probability in whole units of this (a distribution < 2**31)
 
-    So the kept codes are the smallest set of most likely codes whose mass reaches ``top_p``,
-    and codes tied at its edge are all kept (no order among equals is needed). Masses are summed
-    in whole units of ``MASS_UNIT``, which makes every sum exact whatever its order: the two
-    ways below give the same floor. A few distributions are sorted; more of them take a radix
-    select on a CPU (:func:`_radix_floor`): a fixed number of operations on the whole batch, which
-    costs less than sorting once there are more than ``_SORTED_CODES`` probabilities (a CPU sorts
-    512 of them in about 20 microseconds; a GPU sorts many at once).
+
+def mass_units(probabilities: torch.Tensor) -> torch.Tensor:
+    """Probabilities as whole ``MASS_UNIT`` s (int32, rounded down): sums of them are exact in
+    any order."""
+    return (probabilities.float() / MASS_UNIT).to(torch.int32)
+
+
+def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The fewest units top-p keeps, per distribution (..., 1), of masses in ``mass_units``: a
+    code is kept when the codes with more units than it hold fewer than ``top_p`` of the mass.
+
+    So the kept codes are the smallest set of most likely codes whose mass reaches ``top_p``;
+    codes tied at its edge are all kept, and since every sum is exact, no order among equals
+    and no order of summation can change the result: the two ways below give the same floor.
+    A few distributions are sorted; more of them take a radix select on a CPU
+    (:func:`_radix_floor`): a fixed number of operations on the whole batch, which costs less
+    than sorting once there are more than ``_SORTED_CODES`` codes (a CPU sorts 512 of them in
+    about 20 microseconds; a GPU sorts many at once).
     """
-    probabilities = probabilities.float()
     need = math.ceil(top_p / MASS_UNIT)
-    if probabilities.device.type != "cpu" or probabilities.numel() <= _SORTED_CODES:
-        ranked = torch.sort(probabilities, dim=-1, descending=True).values
-        short = ((ranked / MASS_UNIT).to(torch.int32).cumsum(-1) < need).sum(-1, keepdim=True)
+    if units.device.type != "cpu" or units.numel() <= _SORTED_CODES:
+        ranked = torch.sort(units, dim=-1, descending=True).values
+        short = (ranked.cumsum(-1) < need).sum(-1, keepdim=True)
         return ranked.gather(-1, short.clamp_max(ranked.shape[-1] - 1))
-    return _radix_floor(probabilities, (probabilities / MASS_UNIT).to(torch.int32), need)
+    return _radix_floor(units, need)
 
 
-MASS_UNIT = 2.0 ** -30  # ``nucleus_floor`` sums masses in these units (a distribution < 2**31)
 _SORTED_CODES = 4096
-_DIGIT_BITS = (6, 8, 8, 8)  # the 30 bits below a float32 in [0, 1]'s two zero bits, from the top
+_DIGIT_BITS = (7, 8, 8, 8)  # the 31 bits of a count of units up to 2**30, from the top
 
 
-def _radix_floor(probabilities: torch.Tensor, units: torch.Tensor, need: int) -> torch.Tensor:
-    """``nucleus_floor`` by a most-significant-digit radix select on the probabilities' bits.
+def _radix_floor(units: torch.Tensor, need: int) -> torch.Tensor:
+    """``nucleus_floor`` by a most-significant-digit radix select on the counts of units.
 
-    Probabilities in [0, 1] order like their float32 bits read as integers (below 2**30), and
-    their complements to 2**30 - 1 the other way round: most likely first. Digit by digit from
-    the top of the complements, the codes are counted into buckets by how far their leading
-    digits lie past those of the floor found so far: codes before it into the first bucket,
-    codes after it into one past the last. The running sum of the buckets is then the mass of
-    the codes up to each candidate digit, and the floor's next digit is the first where it
-    reaches ``need``.
+    Counted down from ``2**31 - 1`` the counts are most likely first. Digit by digit from the
+    top, the codes are put into buckets by how far their leading digits lie past those of the
+    floor found so far: codes before it into the first bucket, codes after it into one past the
+    last. The running sum of the buckets is then the mass of the codes up to each candidate
+    digit, and the floor's next digit is the first where it reaches ``need``.
     """
-    top = (1 << 30) - 1
-    flipped = top - probabilities.view(torch.int32).to(torch.int64)
-    found = torch.zeros_like(flipped[..., :1])  # the floor's complement: its digits found so far
+    top = (1 << 31) - 1
+    flipped = top - units.to(torch.int64)
+    found = torch.zeros_like(flipped[..., :1])  # the floor counted down, its digits found so far
     need_each = torch.full_like(units[..., :1], need)
-    shift = 30
+    shift = 31
     for bits in _DIGIT_BITS:
         shift -= bits
         past = ((flipped >> shift) - (found >> shift)).clamp_(0, 1 << bits)
@@ -96,7 +100,7 @@ def _radix_floor(probabilities: torch.Tensor, units: torch.Tensor, need: int) ->
         reached = held.cumsum(-1, dtype=torch.int32)
         digit = torch.searchsorted(reached, need_each).clamp_max_((1 << bits) - 1)
         found = found + (digit << shift)
-    return (top - found).to(torch.int32).view(torch.float32)
+    return (top - found).to(torch.int32)
 
 
 def flush_negligible(probabilities: torch.Tensor) -> torch.Tensor:

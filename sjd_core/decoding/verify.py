@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftTree
-from .sampling import normalise, residual, sample
+from .sampling import MIN_MASS, residual, sample
 from .settings import AccelerationSettings
 
 ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
@@ -197,11 +197,14 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
     return _Test(accept, relaxed, probability)
 
 
-def after_rejection(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
-                    rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p_{k+1}, q_{k+1})`` where candidate ``x`` was tested and ``rejected``; else unchanged."""
-    rejected = rejected[..., None]
-    return residual(p, q, rejected), normalise(q.scatter(-1, x[..., None], 0.0), q, rejected)
+def without_candidate(q: torch.Tensor, x: torch.Tensor, q_x: torch.Tensor,
+                      rejected: torch.Tensor) -> torch.Tensor:
+    """``q_{k+1}``: ``q`` without the rejected candidate ``x`` (of mass ``q_x``), renormalised
+    by the mass left (``q`` sums to 1); ``q`` itself where ``x`` was not rejected, or where
+    nothing is left."""
+    left = (1.0 - q_x)[..., None]
+    keep = rejected[..., None] & (left > MIN_MASS)
+    return torch.where(keep, q.scatter(-1, x[..., None], 0.0) / left.clamp_min(MIN_MASS), q)
 
 
 def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -233,8 +236,8 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     x = node_tokens[:, first_child.clamp_min(0)]
     live = (first_child >= 0) & node_valid[:, first_child.clamp_min(0)]
     q_nodes = q_slots[:, child_slot] if rule.uses_q else None
-    first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x),
-                            q_slots[rows[:, None], child_slot, x])
+    q_x = q_slots[rows[:, None], child_slot, x]
+    first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x), q_x)
     chosen = torch.where(first.accept, first_child, -1)  # the accepted child of every node
     taken = first.probability  # probability of the accepting test, else of the first test
     relaxed = first.relaxed
@@ -246,19 +249,23 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
         p_k, q_k = p[:, inner], q_slots[:, child_slot[inner]]
         u_inner = uniforms[:, inner]
         searching = ~first.accept[:, inner]
+        q_x = q_x[:, inner]
         rank = torch.where(first.accept[:, inner], 0, -1)  # which candidate each inner node took
         inner_taken, inner_relaxed = taken[:, inner], None if relaxed is None else relaxed[:, inner]
         for k in range(1, tree.branching):
-            p_k, q_k = after_rejection(p_k, q_k, cand[..., k - 1], searching & cand_live[..., k - 1])
+            rejected = searching & cand_live[..., k - 1]
+            p_k = residual(p_k, q_k, rejected[..., None])
+            q_k = without_candidate(q_k, cand[..., k - 1], q_x, rejected)
             x_k = cand[..., k]
+            q_x = _masses(q_k, x_k)
             step = check_candidate(rule, p_k, q_k, x_k, cand_live[..., k] & searching,
-                                   u_inner[..., k], _masses(p_k, x_k), _masses(q_k, x_k))
+                                   u_inner[..., k], _masses(p_k, x_k), q_x)
             rank = torch.where(step.accept, k, rank)
             inner_taken = torch.where(step.accept, step.probability, inner_taken)
             if inner_relaxed is not None:
                 inner_relaxed = inner_relaxed | step.relaxed
             searching = searching & ~step.accept
-        inner_end, _ = after_rejection(p_k, q_k, cand[..., -1], searching & cand_live[..., -1])
+        inner_end = residual(p_k, q_k, (searching & cand_live[..., -1])[..., None])
         if count_siblings:
             sibling_tests = torch.where(rank > 0, rank, cand_live[..., 1:].sum(-1)) * \
                 ~first.accept[:, inner]
