@@ -8,7 +8,8 @@ finite values that the attention mask blocks.
 
 Per forward the session says where the new entries go (``plan``: a column per row and fed token,
 rows may differ) and how many columns attention reads (``width``); each layer then writes its new
-entries in place and reads views of its buffers. ``compact`` moves entries within rows (keeping an
+entries in place (one slice copy when every row writes the same columns, an indexed write
+otherwise) and reads views of its buffers. ``compact`` moves entries within rows (keeping an
 accepted path). Both touch only the columns they are given, so their cost does not grow with the
 cached prefix; ``select_rows`` and ``reserve`` copy the whole cache once.
 """
@@ -31,18 +32,25 @@ class KVStore:
         self._buffers: list[torch.Tensor | None] = []  # per layer: (2, rows, heads, capacity, dim)
         self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: its keys, values
         self._columns: torch.Tensor | None = None
+        self._first: int | None = None  # where every row's new entries start, when rows agree
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, columns: torch.Tensor, width: int) -> None:
+    def plan(self, columns: torch.Tensor, width: int, first: int | None = None) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
-        read columns ``0 .. width - 1``."""
-        self._columns, self.width = columns, width
+        read columns ``0 .. width - 1``. ``first``: when every row writes columns ``first,
+        first + 1, ...`` (the caller knows it on the host), so that one slice takes the write."""
+        self._columns, self.width, self._first = columns, width, first
         self._write_indices.clear()
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new (rows, heads, tokens, dim) keys and values; return its cached views."""
         cached_keys, cached_values = self._layer(layer, keys, values)
+        if self._first is not None:
+            written = slice(self._first, self._first + keys.shape[2])
+            cached_keys[:, :, written] = keys
+            cached_values[:, :, written] = values
+            return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
         rows, columns = self._write_index(keys.device)
         cached_keys[rows, :, columns] = keys.transpose(1, 2)
         cached_values[rows, :, columns] = values.transpose(1, 2)

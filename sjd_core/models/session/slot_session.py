@@ -28,7 +28,7 @@ from ..protocol import DecodingSession
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
-from .transfer import host_to_device, host_to_device, to_device
+from .transfer import host_to_device, to_device
 
 __all__ = ["Fed", "SlotSession"]
 
@@ -120,7 +120,7 @@ class SlotSession(DecodingSession):
         allowed = (key <= query) & (key < prefix[:, None, None])
         allowed |= torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = order.expand(len(prefix), n)
-        self.store.plan(positions, n)
+        self.store.plan(positions, n, first=0)
         self._run(inputs, positions, self.mask.values(allowed)[:, None])
 
     # ------------------------------------------------------------------ forward
@@ -141,7 +141,9 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        self.store.plan(fed.columns, plan.width)
+        lengths = plan.lengths
+        self.store.plan(fed.columns, plan.width,
+                        int(lengths[0]) if lengths.min() == lengths.max() else None)
         mask = self._attention_mask(plan, fed, tree_block)
         if mark is not None:
             mark()
