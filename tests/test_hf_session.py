@@ -83,6 +83,56 @@ def test_window_equals_stepwise_across_row_ends(llama):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("prompts, negative", [([PROMPT, PROMPT[::-1]], [2, 8, 8, 8, 9]),
+                                               ([PROMPT, PROMPT[2:]], [2, 9])],
+                         ids=["rows in step", "rows of different lengths"])
+def test_advance_equals_stepwise_and_mixes_with_windows(llama, prompts, negative):
+    """Plain autoregression's ``advance`` (lean between row ends, forward + keep at them, for the
+    slot -1 token, for rows out of step and after a window) gives the plain sequence's logits,
+    guided rows included."""
+    seqs = [CODES, CODES[::-1]]
+    refs = [reference_logits(llama, p, seq, GRID[1]) for p, seq in zip(prompts, seqs)]
+    uncond = [reference_logits(llama, negative, seq, GRID[1]) for seq in seqs]
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts],
+                        [Context(ids=torch.tensor(negative))] * 2, GRID)
+    lean = []
+    forward = session.forward
+    session.forward = lambda *args: (lean.append(False), forward(*args))[1]
+    committed = 0
+    while committed < 12:
+        if committed == 5:  # a window of three, all kept, between the advances
+            out, out_uncond = window_forward(session, seqs, [committed - 1, committed - 1], width=3)
+            keep_first(session, [3, 3], width=3)
+            for b in range(2):
+                torch.testing.assert_close(out[b], refs[b][committed:committed + 3], atol=1e-5, rtol=1e-5)
+            committed += 3
+            continue
+        codes = torch.tensor([0 if committed == 0 else seq[committed - 1] for seq in seqs])
+        calls = len(lean)
+        out, out_uncond = session.advance(codes, [committed, committed])
+        lean += [True] * (len(lean) == calls)
+        for b in range(2):
+            torch.testing.assert_close(out[b], refs[b][committed], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out_uncond[b], uncond[b][committed], atol=1e-5, rtol=1e-5)
+        committed += 1
+    in_step = len({len(p) for p in prompts + [negative]}) == 1
+    assert any(lean) == in_step and not all(lean), lean
+
+
+@torch.no_grad()
+def test_advance_that_does_not_continue_the_cache_is_refused(llama):
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
+    for committed in range(2):
+        session.advance(torch.tensor([CODES[committed]]), [committed])
+    with pytest.raises(ValueError, match=r"committed=\[3\].*does not continue the cache"):
+        session.advance(torch.tensor([CODES[2]]), [3])  # slot 1 was never fed
+    with pytest.raises(RuntimeError, match="do not continue the cache"):  # at a row end: forward's check
+        session.advance(torch.tensor([CODES[2]]), [4])
+    with pytest.raises(ValueError, match=r"advance got codes of shape \(1, 1\); expected \(B=1,\)"):
+        session.advance(torch.tensor([[CODES[2]]]), [2])
+
+
+@torch.no_grad()
 def test_tree_equals_each_branch(llama):
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
     session.forward(torch.tensor([[0] + CODES[:2]]), torch.arange(-1, 2)[None], chain(3), [0])

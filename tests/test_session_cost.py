@@ -23,7 +23,8 @@ from sjd_core.tools import session_bench
 MARGIN = 2
 # (session operations outside the network, cache operations inside it) per forward + keep;
 # pac's keep moves only as many columns as a path holds (a clamp and two slices)
-PINNED = {"ar": (17, 26), "pac": (41, 26)}
+PINNED = {"ar": (17, 24), "pac": (41, 24)}
+ADVANCE = (8, 24)  # the same for plain autoregression's advance
 
 
 class _Counter(TorchDispatchMode):
@@ -50,11 +51,9 @@ def tree_of(shape: str) -> DraftTree:
     return DraftTree.for_settings(settings, torch.device("cpu"))
 
 
-@torch.no_grad()
-def count_iteration(model: ReferenceModel, tree: DraftTree, warm_up: int = 8) -> dict[str, int]:
-    """Operations of one forward + keep after ``warm_up`` iterations that keep the main path's
-    first (up to) three nodes."""
-    session = model.start(GenerationRequest(prompt="sneaker", guidance=2.0, max_nodes=tree.size))
+def counted(session) -> tuple[_Counter, object]:
+    """A counter that tells the session's, the cache's and the network's operations apart, and
+    the ``mark`` to pass to the session."""
     counter = _Counter()
     write = session.store.update
 
@@ -69,6 +68,15 @@ def count_iteration(model: ReferenceModel, tree: DraftTree, warm_up: int = 8) ->
         counter.where = "network" if counter.where == "session" else "session"
 
     session.store.update = counted_write
+    return counter, mark
+
+
+@torch.no_grad()
+def count_iteration(model: ReferenceModel, tree: DraftTree, warm_up: int = 8) -> dict[str, int]:
+    """Operations of one forward + keep after ``warm_up`` iterations that keep the main path's
+    first (up to) three nodes."""
+    session = model.start(GenerationRequest(prompt="sneaker", guidance=2.0, max_nodes=tree.size))
+    counter, mark = counted(session)
     main_path = tree.route[0]  # the nodes along candidate 0 at every depth
     keep = torch.zeros(1, tree.size, dtype=torch.bool)
     keep[0, main_path[: min(3, tree.window)]] = True
@@ -97,6 +105,23 @@ def test_forward_and_keep_do_a_pinned_number_of_operations(model, shape):
     assert counts["network"] > 100  # the counter sees the network, so it is not blind
     assert 0 < counts["session"] <= session + MARGIN, counts
     assert 0 < counts["cache"] <= cache + MARGIN, counts
+
+
+@torch.no_grad()
+def test_advance_does_fewer_operations_than_forward_and_keep(model):
+    """Plain autoregression's step in the middle of an image, rows in step: no layout, no mask,
+    no check on the device."""
+    session = model.start(GenerationRequest(prompt="sneaker", guidance=2.0, max_nodes=1))
+    counter, mark = counted(session)
+    code = torch.ones(1, dtype=torch.long)
+    for committed in range(9):
+        session.advance(code, [committed], mark)
+    with counter:
+        session.advance(code, [9], mark)
+    assert counter.counts["network"] > 100
+    assert 0 < counter.counts["session"] <= ADVANCE[0] + MARGIN, counter.counts
+    assert 0 < counter.counts["cache"] <= ADVANCE[1] + MARGIN, counter.counts
+    assert counter.counts["session"] < PINNED["ar"][0]
 
 
 @pytest.mark.parametrize("stand_in", [False, True])

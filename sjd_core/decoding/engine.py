@@ -22,7 +22,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from ..messages import quote
@@ -101,8 +100,6 @@ class _Decoder:
         # per column, the target of the last committed slot (+ a column that absorbs the rest)
         self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
                                if acceleration.init == "above_target" else None)
-        self.one_node = torch.ones(1, 1, dtype=torch.bool, device=device)
-        self.one_host_node = np.ones((1, 1), dtype=bool)
         self.ar_kinds = (torch.tensor(FORCED, dtype=torch.int8, device=device),
                          torch.tensor(BONUS, dtype=torch.int8, device=device))
         self.iteration = 0
@@ -112,12 +109,9 @@ class _Decoder:
     def autoregressive_step(self) -> list[int]:
         """One node per row, its target sampled: plain autoregression."""
         uniforms = self.random.uniform(1)[:, 0]
-        cond, uncond = self.session.forward(self.anchor[:, None], (self.committed - 1)[:, None],
-                                            self.one_host_node, self.done,
-                                            self.recorder.clock.mark)
-        target = process(cond[:, 0], None if uncond is None else uncond[:, 0], self.sampling)
+        cond, uncond = self.session.advance(self.anchor, self.done, self.recorder.clock.mark)
+        target = process(cond, uncond, self.sampling)
         token = sample(target, uniforms)
-        self.session.keep(self.one_node.expand(len(self.rows), 1))
         flat = self.row_start + self.committed
         self.codes.index_put_((flat,), token)
         if self.column_targets is not None:
@@ -321,9 +315,9 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
         shape = describe_shape(tree)
         decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1
-        report = decoder.report(accepted, shape)
+        report = None if on_iteration is None else decoder.report(accepted, shape)
         decoder.drop_finished()
-        if on_iteration is not None:
+        if report is not None:
             on_iteration(report)
 
     meta = {"mode": plan.mode_name, "lossless": acceleration.lossless,

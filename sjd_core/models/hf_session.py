@@ -146,10 +146,12 @@ class HFSession(SlotSession):
             return ctx.embeds.to(self.parts.device, self.parts.dtype)
         return self.parts.embed_tokens(ctx.ids.to(self.parts.device)).to(self.parts.dtype)
 
-    def _inputs(self, codes: torch.Tensor, fed: Fed) -> torch.Tensor:
+    def _inputs(self, codes: torch.Tensor, fed: Fed | None) -> torch.Tensor:
         x = to_device(self.parts.embed_codes(codes), self.device, self.parts.dtype)
         if self.guided:
             x = torch.cat([x, x])
+        if fed is None:
+            return x
         if fed.starting is not None:
             x[:, 0] = torch.where(fed.starting[:, None], self._start, x[:, 0])
         if fed.token_node is not None:

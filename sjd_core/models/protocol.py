@@ -113,6 +113,13 @@ class DecodingSession(Protocol):
         """Keep the cache entries of the fed nodes where ``mask`` (B, T) is True; drop the rest."""
         ...
 
+    def advance(self, codes: torch.Tensor, committed: Sequence[int],
+                mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Plain autoregression's step: ``forward`` of one node per row, ``codes`` (B,) at slot
+        ``committed[b] - 1``, then ``keep`` of it; conditional and unconditional (or None) logits
+        (B, codebook_size). A session may take it with less bookkeeping than the pair."""
+        ...
+
     def retain(self, rows: Sequence[int]) -> None:
         """Go on with only these batch rows (increasing indices into the current rows)."""
         ...

@@ -67,9 +67,9 @@ class SyntheticSession(SlotSession):
         with torch.no_grad():
             self._prefill(padded)
 
-    def _inputs(self, codes: torch.Tensor, fed: Fed) -> torch.Tensor:
+    def _inputs(self, codes: torch.Tensor, fed: Fed | None) -> torch.Tensor:
         tokens = torch.cat([codes, codes]) if self.guided else codes
-        if fed.starting is not None:  # node 0 of these rows is the slot -1 token: the begin token
+        if fed is not None and fed.starting is not None:  # node 0 of these rows is the slot -1 token: the begin token
             first = torch.where(fed.starting, self.model.begin_token, tokens[:, 0])
             tokens = torch.cat([first[:, None], tokens[:, 1:]], 1)
         return tokens

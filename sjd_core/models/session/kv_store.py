@@ -35,10 +35,11 @@ class KVStore:
         self._first: int | None = None  # where every row's new entries start, when rows agree
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, columns: torch.Tensor, width: int, first: int | None = None) -> None:
+    def plan(self, columns: torch.Tensor | None, width: int, first: int | None = None) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
         read columns ``0 .. width - 1``. ``first``: when every row writes columns ``first,
-        first + 1, ...`` (the caller knows it on the host), so that one slice takes the write."""
+        first + 1, ...`` (the caller knows it on the host), so that one slice takes the write
+        (``columns`` may then be None)."""
         self._columns, self.width, self._first = columns, width, first
         self._write_indices.clear()
 
@@ -71,6 +72,14 @@ class KVStore:
                                           to_device(target, buffer.device))
             rows, take, put = indices[buffer.device]
             buffer[:, rows, :, put] = buffer[:, rows, :, take]
+
+    def compact_columns(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """``compact`` where every row moves the same columns ``source`` (n,) to ``target`` (n,):
+        one selection and one indexed copy per layer over all rows at once."""
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.index_copy_(3, to_device(target, buffer.device),
+                                   buffer.index_select(3, to_device(source, buffer.device)))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""

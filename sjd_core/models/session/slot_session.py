@@ -12,7 +12,8 @@ rows ``B .. 2B-1``; one forward runs them all.
 Per forward the session reads nothing back from the device: the committed counts come from the
 caller, the tree's depths are read once per tree (the engine builds one per generation; a single
 node needs no read). Its own work is a fixed number of tensor operations on the fed tokens only,
-whatever the length of the cached prefix.
+whatever the length of the cached prefix. Plain autoregression's ``advance`` (one code per row,
+kept at once) skips most of it while the rows are in step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Fed:
     masked: bool  # whether the forward attended through the mask buffer
     path_tokens: int  # the most tokens a row can keep: a path, one node per depth
     moved: slice | None  # the kept columns that may have to move (None: none ever moves)
+    first: int | None  # the column where every row's tokens start, when the rows are in step
+    one_image: bool  # rows in step that keep the same nodes: one image (and its uncond row)
     positions: torch.Tensor
     columns: torch.Tensor  # (R, tokens)
     column_index: torch.Tensor  # (R, 1, tokens): the same, shaped to index the mask
@@ -87,10 +90,14 @@ class SlotSession(DecodingSession):
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
         self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
+        self._advanced: np.ndarray | None = None  # each row's cached length the next advance needs
+        self._one_node = np.ones((1, 1), dtype=bool)
+        self._keep_rows()
 
     # ------------------------------------------------------------------ what a model adds
-    def _inputs(self, codes: torch.Tensor, fed: Fed) -> torch.Tensor:
-        """Network inputs (R, tokens, ...) of the fed tokens, from ``codes`` (B, T) on the device."""
+    def _inputs(self, codes: torch.Tensor, fed: Fed | None) -> torch.Tensor:
+        """Network inputs (R, tokens, ...) of the fed tokens, from ``codes`` (B, T) on the device;
+        ``fed`` None: codes only (no slot -1 token, no row end), as an advance feeds them."""
         raise NotImplementedError
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
@@ -141,9 +148,7 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        lengths = plan.lengths
-        self.store.plan(fed.columns, plan.width,
-                        int(lengths[0]) if lengths.min() == lengths.max() else None)
+        self.store.plan(fed.columns, plan.width, fed.first)
         mask = self._attention_mask(plan, fed, tree_block)
         if mark is not None:
             mark()
@@ -154,7 +159,7 @@ class SlotSession(DecodingSession):
         logits = self._logits(hidden)
         if mark is not None:
             mark()
-        self._fed, self._held = fed, plan.lengths
+        self._fed, self._held, self._advanced = fed, plan.lengths, None
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
@@ -248,7 +253,9 @@ class SlotSession(DecodingSession):
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
         masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width
-        return Fed(plan.slots.shape[1], masked, path_tokens, moved, tensors["positions"],
+        first = int(plan.lengths[0]) if plan.lengths.min() == plan.lengths.max() else None
+        return Fed(plan.slots.shape[1], masked, path_tokens, moved, first,
+                   first is not None and self.batch_size == 1, tensors["positions"],
                    columns, columns[:, None], tensors["slots"],
                    *(tensors.get(name) for name in _OPTIONAL))
 
@@ -262,6 +269,53 @@ class SlotSession(DecodingSession):
                             "node 0 must sit at slot committed[b] - 1, every node at that slot plus "
                             "its depth in the tree, and committed must grow by the nodes kept (a "
                             "path of the tree)")
+
+    @torch.no_grad()
+    def advance(self, codes: torch.Tensor, committed: Sequence[int],
+                mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Plain autoregression's step: feed ``codes`` (B,) at slot ``committed[b] - 1`` of each
+        row and keep them; the logits (B, codebook) of the next slot, as ``forward`` gives them.
+
+        The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
+        is due, for the slot -1 token, when the rows are not in step (their cached lengths
+        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no layout, no mask,
+        no check on the device (the committed counts must continue the last advance, checked on
+        the host), one cache slice per layer.
+        """
+        if codes.ndim != 1:
+            raise ValueError(f"advance got codes of shape {tuple(codes.shape)}; expected "
+                             f"(B={self.batch_size},), one code per row.")
+        done = self._check_inputs(codes[:, None], codes[:, None], self._one_node, committed)
+        rows_done = np.concatenate([done, done]) if self.guided else done
+        lengths = self.layout.cached_length(rows_done)
+        slots = rows_done[:, None] - 1
+        if (self._advanced is None or self._fed is not None or lengths.min() != lengths.max()
+                or done.min() == 0 or self.layout.ends_row(slots).any()):
+            slots_on_device = host_to_device({"slots": slots[: self.batch_size]}, self.device)
+            cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
+                                        committed, mark)
+            self.keep(self._keep_one)
+            self._advanced = self.layout.cached_length(rows_done + 1)
+            return cond[:, 0], None if uncond is None else uncond[:, 0]
+        if not np.array_equal(lengths, self._advanced):
+            raise ValueError(f"advance got committed={committed!r}, which does not continue the "
+                             "cache: each row must have committed one slot more than at the last "
+                             "advance.")
+        first = int(lengths[0])
+        positions = host_to_device({"positions": self.layout.positions_of(slots)}, self.device)
+        inputs = self._inputs(to_device(codes[:, None], self.device), None)
+        self.store.plan(None, first + 1, first)
+        if self._unsettled_from is None:
+            self._unsettled_from = first
+        if mark is not None:
+            mark()
+        logits = self._logits(self._run(inputs, positions["positions"], None))[:, 0]
+        if mark is not None:
+            mark()
+        self._held, self._kept, self._advanced = lengths, self._kept_one, lengths + 1
+        if self.guided:
+            return logits[: self.batch_size], logits[self.batch_size:]
+        return logits, None
 
     # ------------------------------------------------------------------ keep and retain
     @torch.no_grad()
@@ -289,11 +343,24 @@ class SlotSession(DecodingSession):
         if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
             kept = kept.clamp_max(fed.path_tokens)  # more fails the next forward's check
         if fed.moved is not None:
-            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, fed.moved]
-            self.store.compact(fed.columns.gather(1, order), fed.columns[:, fed.moved])
+            # one image: every row moves the same columns, so row 0 says which, for all rows
+            rows = slice(0, 1) if fed.one_image else slice(None)
+            columns = fed.columns[rows]
+            order = torch.argsort((~keep[rows]).to(torch.int8), dim=1, stable=True)[:, fed.moved]
+            source, target = columns.gather(1, order), columns[:, fed.moved]
+            if fed.one_image:
+                self.store.compact_columns(source[0], target[0])
+            else:
+                self.store.compact(source, target)
         if fed.masked:
             self.mask.settle(fed.column_index, kept)
         self._kept = kept
+
+    def _keep_rows(self) -> None:
+        """The keep mask of one node and the kept counts of an advance, for the current rows."""
+        self._keep_one = torch.ones(self.batch_size, 1, dtype=torch.bool, device=self.device)
+        rows = 2 * self.batch_size if self.guided else self.batch_size
+        self._kept_one = torch.ones(rows, dtype=torch.int64, device=self.device)
 
     def _drop_unkept(self) -> None:
         """Throw away the last forward if nobody called keep after it."""
@@ -321,5 +388,8 @@ class SlotSession(DecodingSession):
             self._held = self._held[index]
         if self._kept is not None:
             self._kept = self._kept.index_select(0, on_device)
+        if self._advanced is not None:
+            self._advanced = self._advanced[index]
         self.batch_size = len(listed)
+        self._keep_rows()
 

@@ -82,6 +82,19 @@ class GridLayout:
         """Keep only the rows ``index`` (in that order)."""
         self.prefix, self.start = self.prefix[index], self.start[index]
 
+    def positions_of(self, slots: np.ndarray) -> np.ndarray:
+        """Sequence position of the code at each of ``slots`` (R, T) of each row."""
+        positions = self.start[:, None] + 1 + slots
+        if self.has_row_end:
+            positions += np.maximum(slots, 0) // self.width
+        return positions
+
+    def ends_row(self, slots: np.ndarray) -> np.ndarray:
+        """Whether a row end follows the code at each of ``slots`` (it ends a grid row)."""
+        if not self.has_row_end:
+            return np.zeros(slots.shape, dtype=bool)
+        return (slots >= 0) & (slots % self.width == self.width - 1)
+
     def plan(self, committed: np.ndarray, depth: np.ndarray, ancestors: np.ndarray | None
              ) -> FedLayout:
         """Layout of a forward feeding nodes of ``depth`` (T,) after ``committed`` (R,) slots.
@@ -90,15 +103,13 @@ class GridLayout:
         build the token-level mask); pass None for a single node.
         """
         slots = np.minimum(committed[:, None] - 1 + depth, self.slots - 1)
-        positions = self.start[:, None] + 1 + slots
+        positions = self.positions_of(slots)
         lengths = self.cached_length(committed)
         row_ends = {}
-        if self.has_row_end:
-            positions += np.maximum(slots, 0) // self.width
-            ends = (slots >= 0) & (slots % self.width == self.width - 1)
-            if ends.any():
-                row_ends = self._row_ends(ends, positions, ancestors)
-                positions = row_ends.pop("positions")
+        ends = self.ends_row(slots)
+        if ends.any():
+            row_ends = self._row_ends(ends, positions, ancestors)
+            positions = row_ends.pop("positions")
         n = positions.shape[1]
         if n not in self._offsets:
             self._offsets[n] = np.arange(n)
