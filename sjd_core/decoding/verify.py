@@ -233,9 +233,10 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     child_slot = tree.depth.clamp_max(q_slots.shape[1] - 1)  # the slot a node's children fill
     rows = torch.arange(batch, device=p.device)
     first_child = tree.children[:, 0]
-    x = node_tokens[:, first_child.clamp_min(0)]
-    live = (first_child >= 0) & node_valid[:, first_child.clamp_min(0)]
-    q_nodes = q_slots[:, child_slot] if rule.uses_q else None
+    child_or_root = first_child.clamp_min(0)
+    x = node_tokens.index_select(1, child_or_root)
+    live = (first_child >= 0) & node_valid.index_select(1, child_or_root)
+    q_nodes = q_slots.index_select(1, child_slot) if rule.uses_q else None
     q_x = q_slots[rows[:, None], child_slot, x]
     first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x), q_x)
     chosen = torch.where(first.accept, first_child, -1)  # the accepted child of every node
@@ -244,14 +245,18 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     inner_end = sibling_tests = None
     if tree.branching > 1:
         inner, kids = tree.inner_nodes, tree.children[tree.inner_nodes]  # (I,), (I, K)
-        cand = node_tokens[:, kids.clamp_min(0)]
-        cand_live = (kids >= 0) & node_valid[:, kids.clamp_min(0)]
-        p_k, q_k = p[:, inner], q_slots[:, child_slot[inner]]
-        u_inner = uniforms[:, inner]
-        searching = ~first.accept[:, inner]
-        q_x = q_x[:, inner]
-        rank = torch.where(first.accept[:, inner], 0, -1)  # which candidate each inner node took
-        inner_taken, inner_relaxed = taken[:, inner], None if relaxed is None else relaxed[:, inner]
+        kid_or_root = kids.clamp_min(0).flatten()
+        cand = node_tokens.index_select(1, kid_or_root).view(batch, *kids.shape)
+        cand_live = (kids >= 0) & node_valid.index_select(1, kid_or_root).view(batch, *kids.shape)
+        p_k, q_k = p.index_select(1, inner), q_slots.index_select(1, child_slot[inner])
+        u_inner = uniforms.index_select(1, inner)
+        first_accepted = first.accept.index_select(1, inner)
+        first_rejected = ~first_accepted
+        searching = first_rejected
+        q_x = q_x.index_select(1, inner)
+        rank = torch.where(first_accepted, 0, -1)  # which candidate each inner node took
+        inner_taken = taken.index_select(1, inner)
+        inner_relaxed = None if relaxed is None else relaxed.index_select(1, inner)
         for k in range(1, tree.branching):
             rejected = searching & cand_live[..., k - 1]
             p_k = residual(p_k, q_k, rejected[..., None])
@@ -267,20 +272,19 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
             searching = searching & ~step.accept
         inner_end = residual(p_k, q_k, (searching & cand_live[..., -1])[..., None])
         if count_siblings:
-            sibling_tests = torch.where(rank > 0, rank, cand_live[..., 1:].sum(-1)) * \
-                ~first.accept[:, inner]
-        chosen[:, inner] = torch.where(rank >= 0, kids.expand(batch, -1, -1).gather(
-            2, rank.clamp_min(0)[..., None]).squeeze(-1), -1)
-        taken[:, inner] = inner_taken
+            sibling_tests = torch.where(rank > 0, rank, cand_live[..., 1:].sum(-1)) * first_rejected
+        chosen.index_copy_(1, inner, torch.where(rank >= 0, kids.expand(batch, -1, -1).gather(
+            2, rank.clamp_min(0)[..., None]).squeeze(-1), -1))
+        taken.index_copy_(1, inner, inner_taken)
         if relaxed is not None:
-            relaxed[:, inner] = inner_relaxed
+            relaxed.index_copy_(1, inner, inner_relaxed)
 
     edge = torch.ones(batch, size, dtype=torch.bool, device=p.device)
-    edge[:, 1:] = chosen[:, tree.parent[1:]] == torch.arange(1, size, device=p.device)
+    edge[:, 1:] = chosen.index_select(1, tree.parent[1:]) == torch.arange(1, size, device=p.device)
     on_path = ~((~edge)[:, None, :] & tree.ancestors).any(-1)
     sibling_passes = None
     if sibling_tests is not None:
-        inner_on_path = on_path[:, tree.inner_nodes]
+        inner_on_path = on_path.index_select(1, tree.inner_nodes)
         sibling_passes = ((rank > 0) & inner_on_path).sum(-1)
         sibling_tests = (sibling_tests * inner_on_path).sum(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
