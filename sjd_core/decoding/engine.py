@@ -246,7 +246,6 @@ class _Decoder:
 FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say
 
 
-
 def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool,
                    history: bool) -> int:
     """Estimated bytes of the engine's own tensors for one iteration (float32, not the model's).
