@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
-from sjd_core.decoding.trace import Trace
+from sjd_core.decoding.trace import Clock, Trace
 from sjd_core.tools.gpu_check import HostReads
 from sjd_core.decoding.verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
@@ -301,3 +302,35 @@ def test_vp_counts_how_often_a_rise_predicted_the_committed_code(model, monkeypa
     plain = generate(model, GenerationRequest(prompt="a"), SamplingSettings(),
                      AccelerationSettings.preset("pac"), seed=4)
     assert plain.trace.summary()["vp_rises"] == {}
+
+
+@pytest.mark.parametrize("fault", ["raises", "nan", "zero"])
+def test_auto_whose_clock_fails_feeds_a_fixed_window_and_says_so(model, monkeypatch, fault):
+    """A clock that raises or measures no positive time does not stop ``auto``: from then on it
+    feeds its longest window, the codes are still the model's (greedy: AR's), and the run's
+    summary says when and why."""
+    reference = generate(model, request(2), GREEDY, AccelerationSettings(window=1), seed=0).codes
+    timed = Clock.seconds_between
+    calls = []
+
+    def failing_after_three(clock, first, last):
+        calls.append(first)
+        if len(calls) <= 3:
+            return timed(clock, first, last)
+        if fault == "raises":
+            raise RuntimeError("the device's clock is gone")
+        return math.nan if fault == "nan" else 0.0
+
+    monkeypatch.setattr(Clock, "seconds_between", failing_after_three)
+    result = generate(model, request(2), GREEDY, AccelerationSettings.preset("auto", window=8),
+                      seed=7)
+    assert torch.equal(result.codes, reference)
+    warnings = [w for w in result.trace.summary()["warnings"] if w.startswith("auto could not")]
+    assert len(warnings) == 1, result.trace.summary()["warnings"]
+    expected = {"raises": "RuntimeError: the device's clock is gone", "nan": "measured nan",
+                "zero": "measured 0.0"}[fault]
+    assert expected in warnings[0] and "fixed window 8" in warnings[0]
+    start = int(re.search(r"from iteration (\d+) on", warnings[0]).group(1))
+    shapes = [result.trace.meta["shapes"][i] for i in result.trace.shape_per_iteration]
+    assert start < len(shapes) and set(shapes[start:]) == {"window 8"}
+    assert len(calls) == 4  # no further timing once it stopped

@@ -323,7 +323,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "window": acceleration.window, "tree_nodes": plan.max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
-            "warnings": [str(w) for w in getattr(session, "warnings", ())]}
+            "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
     codes = decoder.codes.view(-1, decoder.stride)[:, :decoder.slots]

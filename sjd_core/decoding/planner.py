@@ -12,6 +12,7 @@ this model and machine (see the class docstring).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -42,6 +43,7 @@ class Plan(Protocol):
 
     max_nodes: int  # the most nodes any chosen shape feeds
     mode_name: str
+    warnings: list[str]  # what went wrong and what the plan did instead, for the run's summary
 
     def choose(self) -> DraftTree:
         """The shape of the next iteration."""
@@ -66,6 +68,7 @@ class FixedPlan:
         self.tree = DraftTree.for_settings(settings, device)
         self.max_nodes = self.tree.size
         self.mode_name = settings.mode_name
+        self.warnings: list[str] = []
 
     def choose(self) -> DraftTree:
         return self.tree
@@ -157,7 +160,8 @@ class AutoPlan:
     through the shapes measured so far; plain autoregression (its own, leaner step) competes with
     its own measured time. The iterations themselves are the timing probes, so measuring costs no
     extra forward pass. What is learnt is kept for the next generation with the same model,
-    device, batch and settings.
+    device, batch and settings. If the clock fails (an error, or a time that is not a positive
+    number), the rest of the generation feeds the longest window, and ``warnings`` says so.
     """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
@@ -203,6 +207,8 @@ class AutoPlan:
         self.run = 0  # iterations in a row of the same shape
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
+        self.fixed: DraftTree | None = None  # the shape fed every iteration once timing failed
+        self.warnings: list[str] = []
 
     def _arrays(self) -> None:
         """The shapes as arrays, so that every shape's rate is one vector expression."""
@@ -216,6 +222,8 @@ class AutoPlan:
 
     # ------------------------------------------------------------------ choosing
     def choose(self) -> DraftTree:
+        if self.fixed is not None:
+            return self.fixed
         if self.queue:
             return self.queue.pop(0)
         self.profile.until_probe -= 1
@@ -288,16 +296,32 @@ class AutoPlan:
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
         elif warm and self.run > _SETTLE and tree is self.probes[0]:
             self._count(tree, np.asarray(accepted))
-        self.pending.append((self.iteration, tree.size))
         self.iteration += 1
+        if self.fixed is not None:
+            return
+        self.pending.append((self.iteration - 1, tree.size))
         still = []
         for iteration, nodes in self.pending:
-            seconds = self.seconds_of(iteration)
+            try:
+                seconds = self.seconds_of(iteration)
+            except RuntimeError as error:  # a device clock that cannot be read
+                self._stop_timing(iteration, f"{type(error).__name__}: {error}")
+                return
             if seconds is None:
                 still.append((iteration, nodes))
+            elif not 0.0 < seconds < math.inf:
+                self._stop_timing(iteration, f"it measured {seconds!r} seconds")
+                return
             else:
                 self.profile.time(nodes, seconds)
         self.pending = still
+
+    def _stop_timing(self, iteration: int, reason: str) -> None:
+        """Feed the longest window from now on: without times, costs cannot be compared."""
+        self.fixed, self.pending = self.probes[0], []
+        self.warnings.append(f"auto could not time iteration {iteration} ({reason}); it fed a "
+                             f"fixed {describe_shape(self.fixed)} from iteration {self.iteration}"
+                             " on")
 
     def _count(self, tree: DraftTree, counts: np.ndarray) -> None:
         """Drafts tested and rejected per depth of the longest window."""
