@@ -207,7 +207,7 @@ class AutoPlan:
         self.run = 0  # iterations in a row of the same shape
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
-        self.fixed: DraftTree | None = None  # the shape fed every iteration once timing failed
+        self.untimed = False  # the clock failed: the longest window from then on
         self.warnings: list[str] = []
 
     def _arrays(self) -> None:
@@ -222,8 +222,8 @@ class AutoPlan:
 
     # ------------------------------------------------------------------ choosing
     def choose(self) -> DraftTree:
-        if self.fixed is not None:
-            return self.fixed
+        if self.untimed:
+            return self.probes[0]
         if self.queue:
             return self.queue.pop(0)
         self.profile.until_probe -= 1
@@ -296,10 +296,9 @@ class AutoPlan:
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
         elif warm and self.run > _SETTLE and tree is self.probes[0]:
             self._count(tree, np.asarray(accepted))
+        if not self.untimed:
+            self.pending.append((self.iteration, tree.size))
         self.iteration += 1
-        if self.fixed is not None:
-            return
-        self.pending.append((self.iteration - 1, tree.size))
         still = []
         for iteration, nodes in self.pending:
             try:
@@ -318,10 +317,10 @@ class AutoPlan:
 
     def _stop_timing(self, iteration: int, reason: str) -> None:
         """Feed the longest window from now on: without times, costs cannot be compared."""
-        self.fixed, self.pending = self.probes[0], []
+        self.untimed, self.pending = True, []
         self.warnings.append(f"auto could not time iteration {iteration} ({reason}); it fed a "
-                             f"fixed {describe_shape(self.fixed)} from iteration {self.iteration}"
-                             " on")
+                             f"fixed {describe_shape(self.probes[0])} from iteration "
+                             f"{self.iteration} on")
 
     def _count(self, tree: DraftTree, counts: np.ndarray) -> None:
         """Drafts tested and rejected per depth of the longest window."""
