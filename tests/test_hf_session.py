@@ -126,8 +126,8 @@ def test_advance_that_does_not_continue_the_cache_is_refused(llama):
         session.advance(torch.tensor([CODES[committed]]), [committed])
     with pytest.raises(ValueError, match=r"committed=\[3\].*does not continue the cache"):
         session.advance(torch.tensor([CODES[2]]), [3])  # slot 1 was never fed
-    with pytest.raises(RuntimeError, match="do not continue the cache"):  # at a row end: forward's check
-        session.advance(torch.tensor([CODES[2]]), [4])
+    with pytest.raises(ValueError, match=r"committed=\[4\].*does not continue the cache"):
+        session.advance(torch.tensor([CODES[2]]), [4])  # at a row end too, before any forward
     with pytest.raises(ValueError, match=r"advance got codes of shape \(1, 1\); expected \(B=1,\)"):
         session.advance(torch.tensor([[CODES[2]]]), [2])
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import MIN_MASS, NEGLIGIBLE, flush_negligible, race_top, residual, sample
+from .sampling import MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, race_top, residual, sample
 from .settings import AccelerationSettings
 
 _LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
@@ -274,7 +274,7 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             source = torch.where(has_above, above_source, source)
     state.tokens = torch.where(fill, tokens, state.tokens)
     state.q = torch.where(fill[..., None], q, state.q)
-    state.source = torch.where(fill, source, state.source).to(torch.int8)
+    state.source = as_type(torch.where(fill, source, state.source), torch.int8)
 
 
 def copy_proposal(codes: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -400,7 +400,7 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
         tokens, source = sample(draw_from, draw), torch.full_like(state.tokens, fresh_source)
     state.tokens = torch.where(has_target, tokens, state.tokens)
     state.q = torch.where(has_target[..., None], draw_from, state.q)
-    state.source = torch.where(has_target, source, state.source).to(torch.int8)
+    state.source = as_type(torch.where(has_target, source, state.source), torch.int8)
     state.fed = state.fed | has_target
     if settings.verification_prediction:
         state.vp_known = state.vp_known & has_target

@@ -29,7 +29,7 @@ from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenMode
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     redraft, shift_window
 from .planner import Plan, describe_shape, make_plan
-from .sampling import RowRandom, exponential, process, sample
+from .sampling import RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
@@ -159,7 +159,7 @@ class _Decoder:
                   & (verdict.kinds != RELAXED))
         kinds = torch.where(forced, FORCED, verdict.kinds)
         tested = node_source.gather(1, torch.cat([verdict.path[:, 1:], verdict.path[:, -1:]], 1))
-        sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
+        sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
         window_slots = self.committed[:, None] + offsets
         writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
                                                        self.slots)
@@ -281,14 +281,15 @@ def check_batch(batch: int, nodes: int, window: int, vocab: int, guided: bool, h
              "or pd_candidates")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
              acceleration: AccelerationSettings, seed: int,
              on_iteration: Callable[[IterationReport], None] | None = None) -> GenerationResult:
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
-    propagates; the model itself is left usable). Runs without autograd. Before the prefill it
+    propagates; the model itself is left usable). Runs in inference mode (no autograd and no
+    version counts, which makes each small tensor operation cheaper). Before the prefill it
     refuses (ValueError) a bad seed, batch size or prompt type, more PD candidates than the
     codebook has codes, and a batch whose decoding state would not fit in the device's memory.
     """

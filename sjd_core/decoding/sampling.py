@@ -31,9 +31,9 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     reaches ``top_p`` (:func:`nucleus_floor`), softmax, and probabilities below ``NEGLIGIBLE`` set
     to 0.
     """
-    logits = cond_logits.float()
+    logits = as_type(cond_logits, torch.float32)
     if uncond_logits is not None:
-        logits = torch.lerp(uncond_logits.float(), logits, settings.guidance)
+        logits = torch.lerp(as_type(uncond_logits, torch.float32), logits, settings.guidance)
     if settings.temperature != 1.0:
         logits = logits / settings.temperature
     vocab = logits.shape[-1]
@@ -46,13 +46,19 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     return flush_negligible(torch.softmax(logits, dim=-1))
 
 
+def as_type(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``; itself, without an operation, when it already is (in inference
+    mode even a conversion to the same type is dispatched, and costs as much as a small one)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 MASS_UNIT = 2.0 ** -30  # top-p counts probability in whole units of this (a distribution < 2**31)
 
 
 def mass_units(probabilities: torch.Tensor) -> torch.Tensor:
     """Probabilities as whole ``MASS_UNIT`` s (int32, rounded down): sums of them are exact in
     any order."""
-    return (probabilities.float() / MASS_UNIT).to(torch.int32)
+    return (as_type(probabilities, torch.float32) / MASS_UNIT).to(torch.int32)
 
 
 def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from ..messages import quote
 from .drafting import DRAFT_SOURCES
+from .sampling import as_type
 from .verify import ACCEPTED, COMMIT_KINDS, RESIDUAL
 
 _NEVER = 2**31 - 1
@@ -107,9 +108,9 @@ class TraceRecorder:
         """
         index = flat_index.flatten()
         self.commit_iteration.index_fill_(0, index, iteration)
-        self.kind.scatter_(0, index, kinds.flatten().to(torch.int8))
+        self.kind.scatter_(0, index, as_type(kinds.flatten(), torch.int8))
         if probability is not None:
-            self.probability.scatter_(0, index, probability.flatten().float())
+            self.probability.scatter_(0, index, as_type(probability.flatten(), torch.float32))
         if sources is not None:
             self.source.scatter_(0, index, sources.flatten())
 

@@ -130,12 +130,13 @@ def transformers_generate(model: ImageTokenModel, prompt: str, batch: int,
     slots = model.grid[0] * model.grid[1]
     torch.manual_seed(seed)
     start = time.perf_counter()
-    net.generate(ids, attention_mask=torch.ones_like(ids), negative_prompt_ids=negative,
-                 guidance_scale=sampling.guidance, do_sample=True,
-                 temperature=sampling.temperature, top_k=sampling.top_k or None,
-                 top_p=sampling.top_p, max_new_tokens=slots, min_new_tokens=slots,
-                 suppress_tokens=list(range(codes, net.config.vocab_size)),
-                 pad_token_id=model.null_token, eos_token_id=None)
+    with torch.inference_mode():  # as the pack's own generate runs
+        net.generate(ids, attention_mask=torch.ones_like(ids), negative_prompt_ids=negative,
+                     guidance_scale=sampling.guidance, do_sample=True,
+                     temperature=sampling.temperature, top_k=sampling.top_k or None,
+                     top_p=sampling.top_p, max_new_tokens=slots, min_new_tokens=slots,
+                     suppress_tokens=list(range(codes, net.config.vocab_size)),
+                     pad_token_id=model.null_token, eos_token_id=None)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - start

@@ -90,7 +90,8 @@ class SlotSession(DecodingSession):
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
         self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
-        self._advanced: np.ndarray | None = None  # each row's cached length the next advance needs
+        self._expected: list[int] | None = None  # committed counts the next advance must give
+        self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
         self._keep_rows()
 
@@ -159,7 +160,8 @@ class SlotSession(DecodingSession):
         logits = self._logits(hidden)
         if mark is not None:
             mark()
-        self._fed, self._held, self._advanced = fed, plan.lengths, None
+        self._fed, self._held = fed, plan.lengths
+        self._expected, self._in_step = None, False
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
@@ -277,42 +279,53 @@ class SlotSession(DecodingSession):
         row and keep them; the logits (B, codebook) of the next slot, as ``forward`` gives them.
 
         The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
-        is due, for the slot -1 token, when the rows are not in step (their cached lengths
-        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no layout, no mask,
-        no check on the device (the committed counts must continue the last advance, checked on
-        the host), one cache slice per layer.
+        is due, for the slot -1 token, when the rows are not in step (their committed counts or
+        cached lengths differ) or after a ``forward``. Otherwise it skips their bookkeeping: no
+        layout, no mask, no check on the device, one cache slice per layer; ``committed`` (a
+        list) must then be the last advance's plus one in every row, and nothing else is read
+        from it. After an advance, committed counts that do not continue it are refused.
         """
-        if codes.ndim != 1:
+        if codes.ndim != 1 or codes.shape[0] != self.batch_size:
             raise ValueError(f"advance got codes of shape {tuple(codes.shape)}; expected "
                              f"(B={self.batch_size},), one code per row.")
+        if self._in_step and isinstance(committed, list) and committed == self._expected:
+            return self._advance_in_step(codes, committed[0], mark)
         done = self._check_inputs(codes[:, None], codes[:, None], self._one_node, committed)
-        rows_done = np.concatenate([done, done]) if self.guided else done
-        lengths = self.layout.cached_length(rows_done)
-        slots = rows_done[:, None] - 1
-        if (self._advanced is None or self._fed is not None or lengths.min() != lengths.max()
-                or done.min() == 0 or self.layout.ends_row(slots).any()):
-            slots_on_device = host_to_device({"slots": slots[: self.batch_size]}, self.device)
-            cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
-                                        committed, mark)
-            self.keep(self._keep_one)
-            self._advanced = self.layout.cached_length(rows_done + 1)
-            return cond[:, 0], None if uncond is None else uncond[:, 0]
-        if not np.array_equal(lengths, self._advanced):
+        if self._expected is not None and done.tolist() != self._expected:
             raise ValueError(f"advance got committed={committed!r}, which does not continue the "
                              "cache: each row must have committed one slot more than at the last "
                              "advance.")
-        first = int(lengths[0])
-        positions = host_to_device({"positions": self.layout.positions_of(slots)}, self.device)
+        slots = done[:, None] - 1
+        slots_on_device = host_to_device({"slots": slots}, self.device)
+        cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
+                                    committed, mark)
+        self.keep(self._keep_one)
+        following = done + 1
+        rows_following = np.concatenate([following, following]) if self.guided else following
+        lengths = self.layout.cached_length(rows_following)
+        self._expected = following.tolist()
+        self._in_step = bool(lengths.min() == lengths.max() and following.min() == following.max()
+                             and not self.layout.ends_row(int(following[0]) - 1))
+        return cond[:, 0], None if uncond is None else uncond[:, 0]
+
+    def _advance_in_step(self, codes: torch.Tensor, committed: int,
+                         mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``advance`` when every row has committed ``committed`` slots and holds as many cache
+        columns, and the code fed ends no grid row (host integers only, no layout)."""
+        first = int(self.layout.cached_length(committed)[0])
+        positions = self._start_positions + int(self.layout.code_offset(committed - 1))
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
         self.store.plan(None, first + 1, first)
         if self._unsettled_from is None:
             self._unsettled_from = first
         if mark is not None:
             mark()
-        logits = self._logits(self._run(inputs, positions["positions"], None))[:, 0]
+        logits = self._logits(self._run(inputs, positions, None))[:, 0]
         if mark is not None:
             mark()
-        self._held, self._kept, self._advanced = lengths, self._kept_one, lengths + 1
+        self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one
+        self._expected = [committed + 1] * self.batch_size
+        self._in_step = not self.layout.ends_row(committed)  # the next code's slot
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
@@ -357,10 +370,12 @@ class SlotSession(DecodingSession):
         self._kept = kept
 
     def _keep_rows(self) -> None:
-        """The keep mask of one node and the kept counts of an advance, for the current rows."""
+        """The keep mask of one node, the kept counts of an advance and the positions of the
+        rows' slot -1 tokens, for the current rows."""
         self._keep_one = torch.ones(self.batch_size, 1, dtype=torch.bool, device=self.device)
         rows = 2 * self.batch_size if self.guided else self.batch_size
         self._kept_one = torch.ones(rows, dtype=torch.int64, device=self.device)
+        self._start_positions = torch.as_tensor(self.layout.start[:, None], device=self.device)
 
     def _drop_unkept(self) -> None:
         """Throw away the last forward if nobody called keep after it."""
@@ -388,8 +403,8 @@ class SlotSession(DecodingSession):
             self._held = self._held[index]
         if self._kept is not None:
             self._kept = self._kept.index_select(0, on_device)
-        if self._advanced is not None:
-            self._advanced = self._advanced[index]
+        if self._expected is not None:
+            self._expected = [self._expected[row] for row in listed]
         self.batch_size = len(listed)
         self._keep_rows()
 

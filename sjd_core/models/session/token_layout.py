@@ -84,15 +84,20 @@ class GridLayout:
 
     def positions_of(self, slots: np.ndarray) -> np.ndarray:
         """Sequence position of the code at each of ``slots`` (R, T) of each row."""
-        positions = self.start[:, None] + 1 + slots
-        if self.has_row_end:
-            positions += np.maximum(slots, 0) // self.width
-        return positions
+        return self.start[:, None] + self.code_offset(slots)
 
-    def ends_row(self, slots: np.ndarray) -> np.ndarray:
-        """Whether a row end follows the code at each of ``slots`` (it ends a grid row)."""
+    def code_offset(self, slots: np.ndarray | int) -> np.ndarray | int:
+        """How far past its row's ``start`` the code of each of ``slots`` sits (an array or an
+        integer alike): one position per slot, and one per row end before it."""
+        if self.has_row_end:
+            return 1 + slots + np.maximum(slots, 0) // self.width
+        return 1 + slots
+
+    def ends_row(self, slots: np.ndarray | int) -> np.ndarray | bool:
+        """Whether a row end follows the code at each of ``slots`` (it ends a grid row); an
+        array or an integer alike."""
         if not self.has_row_end:
-            return np.zeros(slots.shape, dtype=bool)
+            return np.zeros(np.shape(slots), dtype=bool)
         return (slots >= 0) & (slots % self.width == self.width - 1)
 
     def plan(self, committed: np.ndarray, depth: np.ndarray, ancestors: np.ndarray | None
