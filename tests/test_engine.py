@@ -145,7 +145,10 @@ def test_device_read_counter_sees_reads():
         bool(x[0] > 0)
         x[x > 1]
         int(x.sum())
-    assert reads.count == 4
+        x.numpy()  # a CPU tensor's memory is the host's: not a read
+        with pytest.raises(TypeError):  # another device's is one (numpy refuses it)
+            torch.empty(2, device="meta").numpy()
+    assert reads.count == 5
 
 
 def test_progress_reports_and_stopping(model):

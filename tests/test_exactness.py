@@ -187,10 +187,12 @@ def _kept_by_definition(units: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 12), (34, 512), (136, 512), (2, 3000)])
-def test_nucleus_floor_sorted_and_radix_select_agree(rows, vocab, monkeypatch):
-    """Both ways of finding top-p's floor keep exactly the codes the definition keeps, on
-    distributions with many ties (half-precision logits), codes of probability 0, a flat row,
-    one certain code, and top_p from tiny to almost 1."""
+def test_nucleus_floor_on_the_cpu_and_on_a_device_agree(rows, vocab):
+    """Both ways of finding top-p's floor (torch's sort, and numpy's for many distributions on a
+    CPU) keep exactly the codes the definition keeps, on distributions with many ties
+    (half-precision logits), codes of probability 0, a flat row, one certain code, and top_p
+    from tiny to almost
+    1."""
     generator = torch.Generator().manual_seed(rows * vocab)
     for trial, top_p in enumerate((1e-6, 0.3, 0.9, 0.999, 1 - 1e-9)):
         logits = (torch.randn(rows, vocab, generator=generator) * (1 + 3 * trial)).half().float()
@@ -199,10 +201,11 @@ def test_nucleus_floor_sorted_and_radix_select_agree(rows, vocab, monkeypatch):
         logits[-1, -1] = 0.0
         units = mass_units(torch.softmax(logits, dim=-1))
         want = _kept_by_definition(units, top_p)
-        for sorted_codes in (0, 10**9):
-            monkeypatch.setattr(sampling, "_SORTED_CODES", sorted_codes)
-            got = units >= nucleus_floor(units, top_p)
-            assert torch.equal(got, want), (top_p, sorted_codes)
+        on_the_cpu = nucleus_floor(units, top_p)
+        on_a_device = sampling._device_floor(units, math.ceil(top_p / MASS_UNIT))
+        assert on_the_cpu.dtype == on_a_device.dtype == torch.int32
+        assert torch.equal(units >= on_the_cpu, want), top_p
+        assert torch.equal(units >= on_a_device, want), top_p
     assert (units == units[:, :1]).sum() > rows  # ties were there
 
 

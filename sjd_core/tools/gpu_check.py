@@ -69,10 +69,15 @@ class _WordTokenizer:
 
 
 class HostReads(TorchFunctionMode):
-    """Counts tensor operations that read values back to the host (or depend on them)."""
+    """Counts tensor operations that read values back to the host (or depend on them).
+
+    numpy's view of a tensor counts only off the CPU: a CPU tensor's memory is the host's (the
+    CPU's top-p sorts there with numpy), and another device's cannot be viewed at all.
+    """
 
     READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
-             "numpy", "__array__", "masked_select", "unique", "argwhere", "__len__"}
+             "masked_select", "unique", "argwhere", "__len__"}
+    VIEWS = {"numpy", "__array__"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +88,8 @@ class HostReads(TorchFunctionMode):
         boolean_index = name == "__getitem__" and any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:]))
         moves_to_host = name == "to" and any(str(a).startswith("cpu") for a in args[1:])
-        if name in self.READS or boolean_index or moves_to_host:
+        viewed_off_the_cpu = name in self.VIEWS and args[0].device.type != "cpu"
+        if name in self.READS or boolean_index or moves_to_host or viewed_off_the_cpu:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
