@@ -89,7 +89,7 @@ def test_window_equals_stepwise_across_row_ends(llama):
 def test_advance_equals_stepwise_and_mixes_with_windows(llama, prompts, negative):
     """Plain autoregression's ``advance`` (lean between row ends, forward + keep at them, for the
     slot -1 token, for rows out of step and after a window) gives the plain sequence's logits,
-    guided rows included."""
+    guided rows included, also where the contexts' lengths differ (the shorter ones padded)."""
     seqs = [CODES, CODES[::-1]]
     refs = [reference_logits(llama, p, seq, GRID[1]) for p, seq in zip(prompts, seqs)]
     uncond = [reference_logits(llama, negative, seq, GRID[1]) for seq in seqs]
@@ -115,8 +115,7 @@ def test_advance_equals_stepwise_and_mixes_with_windows(llama, prompts, negative
             torch.testing.assert_close(out[b], refs[b][committed], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(out_uncond[b], uncond[b][committed], atol=1e-5, rtol=1e-5)
         committed += 1
-    in_step = len({len(p) for p in prompts + [negative]}) == 1
-    assert any(lean) == in_step and not all(lean), lean
+    assert any(lean) and not all(lean), lean  # shorter contexts are padded: rows stay in step
 
 
 @torch.no_grad()

@@ -138,7 +138,7 @@ class HFSession(SlotSession):
             longest = max(len(c) for c in contexts) - 1
             padded = self._start.new_zeros(len(contexts), longest, self._start.shape[-1])
             for row, e in enumerate(embeds):  # once per context, not per slot
-                padded[row, : len(e) - 1] = e[:-1]
+                padded[row, self.context_columns(row, len(e) - 1)] = e[:-1]
             self._prefill(padded)
 
     def _embed(self, ctx: Context) -> torch.Tensor:

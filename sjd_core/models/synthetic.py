@@ -63,7 +63,9 @@ class SyntheticSession(SlotSession):
                          start=lengths, max_nodes=request.max_nodes, device=model.device,
                          mask_dtype=torch.bool)
         longest = max(lengths)
-        padded = torch.tensor([c + [0] * (longest - len(c)) for c in contexts], device=model.device)
+        padded = torch.zeros(len(contexts), longest, dtype=torch.long, device=model.device)
+        for row, context in enumerate(contexts):
+            padded[row, self.context_columns(row, len(context))] = torch.tensor(context)
         with torch.no_grad():
             self._prefill(padded)
 

@@ -22,16 +22,21 @@ class MaskBuffer:
     """Attention mask of ``rows`` sequences for up to ``query_rows`` fed tokens.
 
     lengths: (rows,) columns each row holds when the buffer is made (open from the start).
+    padding: (rows,) columns in front of a row's context that stay blocked (None: none).
     """
 
     def __init__(self, lengths: torch.Tensor, query_rows: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, padding: torch.Tensor | None = None) -> None:
         self.dtype, self.device = dtype, device
         self._blocked = False if dtype == torch.bool else torch.finfo(dtype).min
+        self._open = True if dtype == torch.bool else 0.0
         self._choices = (torch.tensor(0, dtype=dtype, device=device),
                          torch.tensor(self._blocked, dtype=dtype, device=device))
         columns = torch.arange(capacity, device=device)
-        settled = self.values(columns[None, :] < lengths.to(device)[:, None])
+        held = columns[None, :] < lengths.to(device)[:, None]
+        if padding is not None:
+            held &= columns[None, :] >= padding.to(device)[:, None]
+        settled = self.values(held)
         self._set(settled[:, None, None, :].expand(-1, 1, query_rows, -1).contiguous())
 
     @property
@@ -63,6 +68,11 @@ class MaskBuffer:
         later query of row ``r``; the rest are blocked."""
         _, offsets = self._range(columns.shape[2])
         self._by_row[self._rows, self._every_query, columns] = self.values(offsets < kept.view(-1, 1, 1))
+
+    def open_columns(self, start: int, stop: int) -> None:
+        """Open columns ``start .. stop - 1`` of every row to every query row (tokens that every
+        row keeps, as plain autoregression's)."""
+        self.buffer[:, :, :, start:stop] = self._open
 
     def settle_range(self, lengths: torch.Tensor, start: int, stop: int) -> None:
         """Settle columns ``start .. stop - 1`` of every row at once: open below the row's length

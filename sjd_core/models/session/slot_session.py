@@ -63,8 +63,11 @@ _OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outp
 class SlotSession(DecodingSession):
     """A prefilled session for ``batch_size`` images on a ``grid`` (see the module docstring).
 
-    prefix, start: per row, the cache columns its context takes and the position of its slot -1
-        token (see :class:`.token_layout.GridLayout`).
+    prefix, start: per row, the length of its context in the cache (its tokens but the slot -1
+        token) and the position of its slot -1 token (see :class:`.token_layout.GridLayout`). A
+        shorter context is padded at the front, so that every row's image starts at the same
+        cache column: rows that have committed as many slots are then in step (one slice per
+        cache write, no mask for plain autoregression), whatever their prompts' lengths.
     max_nodes: the most nodes one forward feeds; the cache is sized once for it. A forward that
         feeds more enlarges the cache (one copy) instead of failing.
     mask_dtype: the attention mask's dtype (the model's dtype for additive masks, or bool).
@@ -79,12 +82,15 @@ class SlotSession(DecodingSession):
         self.batch_size, self.guided = batch_size, guided
         self.grid_height, self.grid_width = grid
         self.device = torch.device(device)
-        self.layout = GridLayout(grid, row_end, prefix, start)
+        context = np.asarray(prefix, dtype=np.int64)
+        self._padding = context.max() - context  # columns in front of each row's context
+        self._padded = bool(self._padding.any())  # then every forward attends through the mask
+        self.layout = GridLayout(grid, row_end, np.full_like(context, context.max()), start)
         query_rows = self.layout.tokens_per_forward(max_nodes)
         capacity = self.layout.capacity(query_rows)
         self.store = KVStore(len(prefix), capacity)
         self.mask = MaskBuffer(torch.from_numpy(self.layout.prefix), query_rows, capacity, mask_dtype,
-                               self.device)
+                               self.device, torch.from_numpy(self._padding))
         self._fed: Fed | None = None
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
@@ -118,18 +124,25 @@ class SlotSession(DecodingSession):
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, inputs: torch.Tensor) -> None:
-        """Run the contexts, right-padded to ``n`` (R, n, ...), into cache columns 0 .. n - 1."""
+        """Run the contexts (R, n, ...) into cache columns 0 .. n - 1, each one ending at column
+        ``n - 1`` (padded at the front: ``context_columns``)."""
         n = inputs.shape[1]
         if n == 0:
             return
-        prefix = torch.from_numpy(self.layout.prefix).to(self.device)
+        padding = torch.from_numpy(self._padding).to(self.device)[:, None]
         order = torch.arange(n, device=self.device)
         key, query = order[None, None, :], order[None, :, None]
-        allowed = (key <= query) & (key < prefix[:, None, None])
+        allowed = (key <= query) & (key >= padding[..., None])
         allowed |= torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
-        positions = order.expand(len(prefix), n)
-        self.store.plan(positions, n, first=0)
+        positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
+        self.store.plan(None, n, first=0)
         self._run(inputs, positions, self.mask.values(allowed)[:, None])
+
+    def context_columns(self, row: int, length: int) -> slice:
+        """The columns of the prefill's input where row ``row`` puts its ``length`` context
+        tokens (the slot -1 token excluded): the last ``length`` of them."""
+        end = int(self.layout.prefix[row])
+        return slice(end - length, end)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -254,7 +267,7 @@ class SlotSession(DecodingSession):
                           outputs=plan.outputs, visible=plan.visible)
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
-        masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width
+        masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width or self._padded
         first = int(plan.lengths[0]) if plan.lengths.min() == plan.lengths.max() else None
         return Fed(plan.slots.shape[1], masked, path_tokens, moved, first,
                    first is not None and self.batch_size == 1, tensors["positions"],
@@ -311,16 +324,21 @@ class SlotSession(DecodingSession):
     def _advance_in_step(self, codes: torch.Tensor, committed: int,
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``advance`` when every row has committed ``committed`` slots and holds as many cache
-        columns, and the code fed ends no grid row (host integers only, no layout)."""
+        columns, and the code fed ends no grid row (host integers only, no layout; a mask only
+        where some context is padded)."""
         first = int(self.layout.cached_length(committed)[0])
         positions = self._start_positions + int(self.layout.code_offset(committed - 1))
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
         self.store.plan(None, first + 1, first)
-        if self._unsettled_from is None:
+        mask = None
+        if self._padded:  # the padding stays hidden: attend through the mask, the new column open
+            self.mask.open_columns(first, first + 1)
+            mask = self.mask.view(1, first + 1)
+        elif self._unsettled_from is None:
             self._unsettled_from = first
         if mark is not None:
             mark()
-        logits = self._logits(self._run(inputs, positions, None))[:, 0]
+        logits = self._logits(self._run(inputs, positions, mask))[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one

@@ -7,8 +7,9 @@ for the device.
 Sequence of one row: ``context... | s(-1) | code(0) ... code(W-1) [row end] | code(W) ...``.
 ``s(-1)`` is the last context token (position ``start``); the code of slot ``s`` sits at position
 ``start + 1 + s`` plus one per row end before it. The row's cache holds its context but ``s(-1)``
-in columns ``0 .. prefix - 1``, then one column per cached token in sequence order, so a row that
-has committed ``c`` slots holds slots ``-1 .. c - 2`` (and their row ends).
+in columns ``0 .. prefix - 1`` (the session pads a shorter context at the front, so that every
+row's prefix is as long), then one column per cached token in sequence order, so a row that has
+committed ``c`` slots holds slots ``-1 .. c - 2`` (and their row ends).
 
 A forward feeds, per row, each node's code token and, when the node's slot ends a grid row, the
 row end after it (its output is the prediction of the next row's first code). Rows with fewer row
