@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,16 +181,28 @@ class _Marked:
 
     def start(self, request: GenerationRequest):
         session, clock = self.model.start(request), self.clock
-        forward = session.forward
+        forward, advance = session.forward, session.advance
 
-        def marked(codes, slots, ancestors, committed, mark=None):
-            def both() -> None:
+        def both(mark) -> Callable[[], None]:
+            def marks() -> None:
                 clock.mark()
                 if mark is not None:
                     mark()
-            return forward(codes, slots, ancestors, committed, both)
+            return marks
 
-        session.forward = marked
+        advancing = []  # an advance that takes forward + keep marks once, in advance
+
+        def marked_forward(codes, slots, ancestors, committed, mark=None):
+            return forward(codes, slots, ancestors, committed, mark if advancing else both(mark))
+
+        def marked_advance(codes, committed, mark=None):  # plain autoregression's step
+            advancing.append(True)
+            try:
+                return advance(codes, committed, both(mark))
+            finally:
+                advancing.pop()
+
+        session.forward, session.advance = marked_forward, marked_advance
         return session
 
 
