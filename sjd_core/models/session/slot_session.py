@@ -67,7 +67,7 @@ class SlotSession(DecodingSession):
         token) and the position of its slot -1 token (see :class:`.token_layout.GridLayout`). A
         shorter context is padded at the front, so that every row's image starts at the same
         cache column: rows that have committed as many slots are then in step (one slice per
-        cache write, no mask for plain autoregression), whatever their prompts' lengths.
+        cache write, no layout for plain autoregression), whatever their prompts' lengths.
     max_nodes: the most nodes one forward feeds; the cache is sized once for it. A forward that
         feeds more enlarges the cache (one copy) instead of failing.
     mask_dtype: the attention mask's dtype (the model's dtype for additive masks, or bool).
@@ -294,9 +294,10 @@ class SlotSession(DecodingSession):
         The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
         is due, for the slot -1 token, when the rows are not in step (their committed counts or
         cached lengths differ) or after a ``forward``. Otherwise it skips their bookkeeping: no
-        layout, no mask, no check on the device, one cache slice per layer; ``committed`` (a
-        list) must then be the last advance's plus one in every row, and nothing else is read
-        from it. After an advance, committed counts that do not continue it are refused.
+        layout, no check on the device, no mask where no context is padded, one cache slice per
+        layer; ``committed`` (a list) must then be the last advance's plus one in every row, and
+        nothing else is read from it. After an advance, committed counts that do not continue it
+        are refused.
         """
         if codes.ndim != 1 or codes.shape[0] != self.batch_size:
             raise ValueError(f"advance got codes of shape {tuple(codes.shape)}; expected "
