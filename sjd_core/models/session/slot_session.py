@@ -292,8 +292,8 @@ class SlotSession(DecodingSession):
         row and keep them; the logits (B, codebook) of the next slot, as ``forward`` gives them.
 
         The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
-        is due, for the slot -1 token, when the rows are not in step (their committed counts or
-        cached lengths differ) or after a ``forward``. Otherwise it skips their bookkeeping: no
+        is due, for the slot -1 token, when the rows are not in step (their committed counts
+        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no
         layout, no check on the device, no mask where no context is padded, one cache slice per
         layer; ``committed`` (a list) must then be the last advance's plus one in every row, and
         nothing else is read from it. After an advance, committed counts that do not continue it
@@ -314,18 +314,16 @@ class SlotSession(DecodingSession):
         cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
                                     committed, mark)
         self.keep(self._keep_one)
-        following = done + 1
-        rows_following = np.concatenate([following, following]) if self.guided else following
-        lengths = self.layout.cached_length(rows_following)
+        following = done + 1  # every row's prefix is as long: equal counts are equal lengths
         self._expected = following.tolist()
-        self._in_step = bool(lengths.min() == lengths.max() and following.min() == following.max()
+        self._in_step = bool(following.min() == following.max()
                              and not self.layout.ends_row(int(following[0]) - 1))
         return cond[:, 0], None if uncond is None else uncond[:, 0]
 
     def _advance_in_step(self, codes: torch.Tensor, committed: int,
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``advance`` when every row has committed ``committed`` slots and holds as many cache
-        columns, and the code fed ends no grid row (host integers only, no layout; a mask only
+        """``advance`` when every row has committed ``committed`` slots (so holds as many cache
+        columns) and the code fed ends no grid row (host integers only, no layout; a mask only
         where some context is padded)."""
         first = int(self.layout.cached_length(committed)[0])
         positions = self._start_positions + int(self.layout.code_offset(committed - 1))
