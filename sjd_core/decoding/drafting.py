@@ -190,11 +190,26 @@ class WindowState:
                            torch.zeros(batch, window, dtype=torch.int8, device=device),
                            torch.zeros(batch, window, dtype=torch.bool, device=device), *history)
 
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        """The fields in order (None for the VP history when VP is off)."""
+        return (self.tokens, self.q, self.source, self.fed, self.vp_mean, self.vp_last,
+                self.vp_rises, self.vp_known)
+
+    def resized(self, window: int) -> "WindowState":
+        """The state for a window of ``window`` offsets: offsets past it are dropped (their
+        drafts forgotten); offsets added at the end have no draft yet."""
+        have = self.tokens.shape[1]
+        if window <= have:
+            return WindowState(*(None if x is None else x[:, :window] for x in self.parts()))
+        batch, _, vocab = self.q.shape
+        added = WindowState.empty(batch, window - have, vocab, self.q.device,
+                                  self.vp_mean is not None)
+        return WindowState(*(None if x is None else torch.cat([x, y], dim=1)
+                             for x, y in zip(self.parts(), added.parts())))
+
     def rows(self, index: torch.Tensor) -> "WindowState":
         """The state of the batch rows ``index`` only."""
-        return WindowState(*(None if x is None else x[index] for x in
-                             (self.tokens, self.q, self.source, self.fed, self.vp_mean,
-                              self.vp_last, self.vp_rises, self.vp_known)))
+        return WindowState(*(None if x is None else x[index] for x in self.parts()))
 
 
 @dataclass
@@ -213,10 +228,11 @@ class Canvas:
     width: int
     slots: int  # per image
     column_targets: torch.Tensor | None = None
+    fewest_committed: int = 0  # a lower bound on ``committed`` known on the host (0: unknown)
 
 
 def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
-                   uniforms: torch.Tensor) -> None:
+                   uniforms: torch.Tensor, first: int = 0) -> None:
     """Draft the slots about to be fed for the first time (``fill`` (B, W) True) by the init
     rule, in place: made just before their first forward, they use all that is committed.
 
@@ -231,7 +247,48 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     ``above_target``: a draw from the committed target of the slot above, q that target; where
     the slot above is not committed yet, ``above``; the first row falls back to ``left``.
     ``uniforms`` (B, W) in (0, 1] make the random draws. Other offsets keep their drafts.
+    ``first``: no offset before it is in ``fill`` (new slots enter at the end of the window).
+    Where ``canvas.fewest_committed`` shows that the slot above each of offsets ``first ..`` is
+    committed, the ``above`` rules draft those offsets alone, from the committed row above,
+    without the left copies and the drafts inside the window that the general rule makes.
     """
+    _, window, vocab = state.q.shape
+    if (rule in ("above", "above_target") and window <= canvas.width
+            and canvas.fewest_committed + first >= canvas.width):
+        made = _copies_from_above(rule, canvas, first, window, uniforms[:, first:], vocab,
+                                  state.q.dtype)
+        fill = fill[:, first:]
+        for field, new, where in zip((state.tokens, state.q, state.source), made,
+                                     (fill, fill[..., None], fill)):
+            kept = field[:, first:]
+            torch.where(where, new, kept, out=kept)
+        return
+    tokens, q, source = _drafts_by_rule(rule, state, fill, canvas, uniforms)
+    state.tokens = torch.where(fill, tokens, state.tokens)
+    state.q = torch.where(fill[..., None], q, state.q)
+    state.source = as_type(torch.where(fill, source, state.source), torch.int8)
+
+
+def _copies_from_above(rule: str, canvas: Canvas, first: int, window: int,
+                       uniforms: torch.Tensor, vocab: int, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``above``/``above_target`` drafts of offsets ``first .. window - 1`` when every slot above
+    them is committed: tokens, q and source."""
+    offsets = torch.arange(first, window, device=canvas.codes.device)
+    slot = canvas.committed[:, None] + offsets
+    if rule == "above_target":
+        rows = torch.arange(slot.shape[0], device=slot.device)[:, None]
+        tokens, q = draw_from_target_above(canvas.column_targets[rows, slot % canvas.width],
+                                           uniforms)
+        return tokens, q, torch.full_like(tokens, ABOVE_TARGET_INIT, dtype=torch.int8)
+    tokens = canvas.codes[canvas.row_start[:, None] + slot - canvas.width]
+    return (tokens, copy_proposal(tokens, vocab, dtype),
+            torch.full_like(tokens, ABOVE_INIT, dtype=torch.int8))
+
+
+def _drafts_by_rule(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
+                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rule's drafts of the whole window, the general way: tokens, q and source."""
     batch, window, vocab = state.q.shape
     device = state.tokens.device
     offsets = torch.arange(window, device=device)
@@ -272,9 +329,7 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
             tokens = torch.where(has_above, above, tokens)
             q = torch.where(has_above[..., None], above_q, q)
             source = torch.where(has_above, above_source, source)
-    state.tokens = torch.where(fill, tokens, state.tokens)
-    state.q = torch.where(fill[..., None], q, state.q)
-    state.source = as_type(torch.where(fill, source, state.source), torch.int8)
+    return tokens, q, source
 
 
 def copy_proposal(codes: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:

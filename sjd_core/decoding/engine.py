@@ -97,6 +97,7 @@ class _Decoder:
         self.rule = acceptance_rule(acceleration, None if acceleration.lossless
                                     else model.codebook_embeddings().to(device))
         self.state: WindowState | None = None  # drafts; None after plain autoregressive steps
+        self.new_from = 0  # window offsets before this one all have drafts made from a target
         # per column, the target of the last committed slot (+ a column that absorbs the rest)
         self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
                                if acceleration.init == "above_target" else None)
@@ -127,17 +128,24 @@ class _Decoder:
         return [1] * len(self.rows)
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
-        """Feed the drafts as ``tree``, verify them, commit the accepted path, redraft."""
+        """Feed the drafts as ``tree``, verify them, commit the accepted path, redraft.
+
+        The drafts held are those of the window fed now: where ``auto`` feeds a shorter window
+        than the iteration before, the drafts past it are dropped (keeping them would cost every
+        iteration a shift and a redraft of slots it does not feed); a longer one starts its new
+        offsets undrafted."""
         settings, batch = self.acceleration, len(self.rows)
-        window, vocab = settings.window, self.vocab
+        window, vocab = tree.window, self.vocab
         if self.state is None:
-            self.state = WindowState.empty(batch, window, vocab, self.device,
-                                           settings.verification_prediction)
+            self.state, self.new_from = WindowState.empty(
+                batch, window, vocab, self.device, settings.verification_prediction), 0
+        elif self.state.tokens.shape[1] != window:
+            self.new_from = min(self.new_from, self.state.tokens.shape[1], window)
+            self.state = self.state.resized(window)
         tests, draws = tree.size * tree.branching, 1 + 3 * window
         uniforms = self.random.uniform(tests + draws + tree.tree_levels * vocab)
         draws_at = tests + 1
-        fed_now = torch.arange(window, device=self.device) < tree.window
-        self._initial_drafts(~self.state.fed & fed_now,
+        self._initial_drafts(~self.state.fed,
                              uniforms[:, draws_at + 2 * window:draws_at + 3 * window])
         node_tokens, node_valid, node_source = add_candidates(
             self.state, tree, exponential(uniforms[:, tests + draws:]).view(batch, -1, vocab)
@@ -152,8 +160,7 @@ class _Decoder:
                               uniforms[:, tests], self.rule,
                               count_siblings=self.acceleration.adaptive_shape)
 
-        fed = tree.window
-        offsets = torch.arange(fed, device=self.device)
+        offsets = torch.arange(window, device=self.device)
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
         forced = ((target.amax(-1).gather(1, verdict.path) >= _FORCED_MASS)
                   & (verdict.kinds != RELAXED))
@@ -183,8 +190,8 @@ class _Decoder:
         self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
         shifted, _ = shift_window(self.state, count)
         new_offsets = torch.arange(window, device=self.device) + count[:, None]
-        has_target = new_offsets < fed
-        stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(fed - 1))
+        has_target = new_offsets < window
+        stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(window - 1))
         stale = target[rows, stale_nodes]
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
@@ -195,7 +202,9 @@ class _Decoder:
             host = torch.cat([self.committed, verdict.sibling_tests.sum()[None],
                               verdict.sibling_passes.sum()[None]]).tolist()
             self.done, self.siblings = host[:-2], (host[-2], host[-1])
-        return [now - before for before, now in zip(previous, self.done)]
+        gained = [now - before for before, now in zip(previous, self.done)]
+        self.new_from = window - max(gained)  # the offsets shifted in are the only new ones
+        return gained
 
     def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:
         """VP's bet, checked: for the slots committed now that had a history, whether the
@@ -210,8 +219,8 @@ class _Decoder:
 
     def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
         canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
-                        self.slots, self.column_targets)
-        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms)
+                        self.slots, self.column_targets, min(self.done))
+        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms, self.new_from)
 
     # ------------------------------------------------------------------ batch
     def drop_finished(self) -> None:

@@ -131,6 +131,16 @@ def largest_shape(settings: AccelerationSettings) -> int:
     return DraftTree.for_settings(settings, torch.device("cpu")).size
 
 
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares slope and intercept through ``(x, y)`` points with at least two distinct x."""
+    count = len(points)
+    mean_x = sum(x for x, _ in points) / count
+    mean_y = sum(y for _, y in points) / count
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return slope, mean_y - slope * mean_x
+
+
 def _fitting_window(profile: tuple[int, ...], budget: int) -> int:
     """The longest window whose tree of ``profile`` feeds at most ``budget`` nodes."""
     inner = int(np.cumprod(profile).sum()) if profile else 0
@@ -216,9 +226,13 @@ class AutoPlan:
         self.windows = np.array([shape.window for shape in self.shapes])
         self.sizes = np.array([shape.size for shape in self.shapes], dtype=float)
         self.levels = np.array([len(shape.profile) for shape in self.shapes])
+        self.of_size = {int(size): np.flatnonzero(self.sizes == size) for size in set(self.sizes)}
         self.candidates = np.zeros((len(self.shapes), max(levels, 1)))
         for index, shape in enumerate(self.shapes):
             self.candidates[index, :len(shape.profile)] = shape.profile
+        self.in_tree = self.candidates > 0  # [shape, depth]: the depth has candidates
+        self.siblings_of = np.maximum(self.candidates - 1, 0)  # candidates after the first
+        self.is_tree = (self.levels > 0).astype(float)
 
     # ------------------------------------------------------------------ choosing
     def choose(self) -> DraftTree:
@@ -247,15 +261,15 @@ class AutoPlan:
 
     def _codes(self, hazard: np.ndarray, sibling_pass: float) -> np.ndarray:
         """Expected codes per iteration of every shape (see the class docstring)."""
-        survival = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
-        committed = np.concatenate([[0.0], np.cumsum(survival)])  # [L]: sum of S(j), j < L
+        committed = np.zeros(len(hazard) + 2)  # [L]: sum of S(j), j < L
+        np.cumsum(np.cumprod(1.0 - hazard), out=committed[2:])
+        committed[1:] += 1.0
         codes = committed[self.windows]
         depth_hazard = hazard[:self.candidates.shape[1]]
-        passes = 1.0 - depth_hazard * (1.0 - sibling_pass) ** np.maximum(self.candidates - 1, 0)
-        reach = np.cumprod(np.where(self.candidates > 0, passes, 1.0), axis=1)
-        in_tree = np.where(self.candidates > 0, reach, 0.0).sum(1)
-        trees = 1.0 + in_tree + committed[self.windows] - committed[self.levels + 1]
-        return np.where(self.levels > 0, trees, codes)
+        passes = 1.0 - depth_hazard * (1.0 - sibling_pass) ** self.siblings_of
+        reach = np.cumprod(np.where(self.in_tree, passes, 1.0), axis=1)
+        return codes + self.is_tree * (1.0 + (reach * self.in_tree).sum(1)
+                                       - committed[self.levels + 1])
 
     def _sibling_pass(self) -> float:
         """``r``: the share of PD candidates 2..K that passed where the ones before them
@@ -272,17 +286,19 @@ class AutoPlan:
         if self.per_pass:
             return np.ones_like(self.sizes)
         measured = self.profile.seconds
-        points = np.array([(n, t) for n, t in measured.items() if n > 1], dtype=float)
+        points = [(n, t) for n, t in measured.items() if n > 1]
         if len(points) >= 2:
-            slope, intercept = np.polyfit(points[:, 0], points[:, 1], 1)
+            slope, intercept = _line(points)
             seconds = np.maximum(intercept + max(slope, 0.0) * self.sizes, 1e-9)
-        elif len(points):
+        elif points:
             nodes, time = points[0]
             seconds = time * (1 + self.sizes / nodes) / 2  # until a second size is timed
         else:
             seconds = self.sizes.copy()
         for nodes, time in measured.items():
-            seconds[self.sizes == nodes] = time
+            index = self.of_size.get(nodes)
+            if index is not None:
+                seconds[index] = time
         return seconds
 
     # ------------------------------------------------------------------ learning
