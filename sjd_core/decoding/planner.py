@@ -85,6 +85,7 @@ _MEMORY = 0.98  # per counted iteration: what the acceptance counts remember
 _HYSTERESIS = 0.05  # another shape must be expected this much faster to be switched to
 _PROBE = 64  # iterations between two runs of the longest window when it is itself the best
 _PROBE_RUN = 10  # iterations per run of the longest window; the first few settle, uncounted
+_FIRST_PROBE_RUN = 30  # the first run of a new profile: its estimate starts from these alone
 _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed before
 _PRIOR_HAZARD = 0.3  # rejection rate assumed at a depth before any draft was tested there
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -166,9 +167,11 @@ class AutoPlan:
     ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)`` codes. With ``adaptive_tree`` every
     tree within K x D competes (:func:`~.drafting.tree_profiles`), so candidates go to the depths
     where drafts fail most, as far as they pay for the nodes they add; otherwise only the full
-    K x D tree. The cost of a shape is its measured seconds per iteration, or a line in fed nodes
-    through the shapes measured so far; plain autoregression (its own, leaner step) competes with
-    its own measured time. The iterations themselves are the timing probes, so measuring costs no
+    K x D tree. The cost of a shape is read off a least-squares line in fed nodes through the
+    seconds per iteration of the shapes measured so far (a shape's own time alone would keep it
+    out of the running, once timed while the machine was busy, until it happened to run again);
+    plain autoregression (its own, leaner step) competes with its own measured time. The first
+    run of the longest window is longer than the later ones, since every estimate starts from it. The iterations themselves are the timing probes, so measuring costs no
     extra forward pass. What is learnt is kept for the next generation with the same model,
     device, batch and settings. If the clock fails (an error, or a time that is not a positive
     number), the rest of the generation feeds the longest window, and ``warnings`` says so.
@@ -226,7 +229,6 @@ class AutoPlan:
         self.windows = np.array([shape.window for shape in self.shapes])
         self.sizes = np.array([shape.size for shape in self.shapes], dtype=float)
         self.levels = np.array([len(shape.profile) for shape in self.shapes])
-        self.of_size = {int(size): np.flatnonzero(self.sizes == size) for size in set(self.sizes)}
         self.candidates = np.zeros((len(self.shapes), max(levels, 1)))
         for index, shape in enumerate(self.shapes):
             self.candidates[index, :len(shape.profile)] = shape.profile
@@ -245,7 +247,8 @@ class AutoPlan:
         if self.profile.until_probe <= 0:
             probe = self.probes[self.profile.probes_made % len(self.probes)]
             self.profile.probes_made += 1
-            self.queue = [probe] * (_PROBE_RUN - 1)
+            run = _FIRST_PROBE_RUN if self.profile.probes_made == 1 else _PROBE_RUN
+            self.queue = [probe] * (run - 1)
             cost = rates.max() / max(rates[self.shapes.index(probe)], 1e-12)  # >= 1: how slower
             self.profile.until_probe = int(_PROBE * cost * cost)
             return probe
@@ -281,8 +284,8 @@ class AutoPlan:
         return self._codes(self._hazard(), self._sibling_pass()) / self._seconds()
 
     def _seconds(self) -> np.ndarray:
-        """Seconds per iteration of every shape: measured, or a line in fed nodes through the
-        measured shapes; all 1 when the cost is forward passes."""
+        """Seconds per iteration of every shape: a line in fed nodes through the measured
+        shapes, and plain autoregression's own time; all 1 when the cost is forward passes."""
         if self.per_pass:
             return np.ones_like(self.sizes)
         measured = self.profile.seconds
@@ -295,10 +298,8 @@ class AutoPlan:
             seconds = time * (1 + self.sizes / nodes) / 2  # until a second size is timed
         else:
             seconds = self.sizes.copy()
-        for nodes, time in measured.items():
-            index = self.of_size.get(nodes)
-            if index is not None:
-                seconds[index] = time
+        if 1 in measured:  # plain autoregression's lean step is not on the speculative line
+            seconds[self.sizes == 1] = measured[1]
         return seconds
 
     # ------------------------------------------------------------------ learning

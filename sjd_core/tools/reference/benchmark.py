@@ -7,7 +7,7 @@ higher temperature and without top-p, closer to the flat distributions of real t
 models) it generates
 the same images (class ``c`` with seeds ``seed + c * per_class + j``, j < per_class, for each of
 the 10 classes, so every image has its own seed)
-with every mode and prints one table:
+with every mode, the modes taking turns class by class, and prints one table:
 
 * NFE (forward passes per image), step compression (codes per forward pass), mean accepted
   length, wall-clock speed-up versus AR and the share of time spent outside the forward pass,
@@ -135,11 +135,18 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
     # its random stream, so one seed shared by several classes would make their images alike
     # and the two-sample test's samples dependent.
     seeds = [[seed + c * per_class + j for j in range(per_class)] for c in range(len(classes))]
+    settings = [(label, AccelerationSettings(**options)) for label, options in modes]
+    measured: dict[str, list[dict]] = {label: [] for label, _ in settings}
+    # The modes take turns, class by class, so that a change in the machine's load during the
+    # run reaches every mode alike and the speed-ups stay comparable.
+    for c, name in enumerate(classes):
+        for label, acceleration in settings:
+            measured[label].append(measure(model, GenerationRequest(prompt=name), sampling,
+                                           acceleration, seeds[c]))
+        print(f"  measured every mode on {name}", flush=True)
     rows, ar_features = [], None
-    for label, options in modes:
-        acceleration = AccelerationSettings(**options)
-        parts = [measure(model, GenerationRequest(prompt=name), sampling, acceleration, seeds[c])
-                 for c, name in enumerate(classes)]
+    for label, acceleration in settings:
+        parts = measured[label]
         codes = torch.cat([part["codes"] for part in parts])
         wanted = np.repeat(np.arange(len(classes)), per_class)
         stats = [target_statistics(model, GenerationRequest(prompt=name), sampling, part["codes"])
@@ -175,8 +182,6 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
             row["p_vs_ar"] = energy_test(ar_features, features, seed=seed)[1]
         row["speedup"] = ar_seconds / seconds
         rows.append(row)
-        print(f"  measured {label}: {row['nfe']:.1f} forward passes per image, "
-              f"{seconds:.1f} s", flush=True)
     return rows
 
 
