@@ -102,3 +102,32 @@ def test_per_pass_shapes_share_the_node_budget_and_candidates_go_where_drafts_fa
 def test_without_adaptive_tree_only_the_full_tree_competes():
     plan = plan_for(adaptive_tree=False)
     assert {shape.profile for shape in plan.shapes} == {(), (3, 3)}
+
+
+def test_every_speculative_shape_is_priced_by_the_line_through_the_measured_times():
+    """One shape timed while the machine was busy does not price itself out: its cost is read
+    off the least-squares line through every measured size (window 16 here measured at about
+    twice what the others say); plain autoregression keeps its own time."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    measured = {4: 0.011, 12: 0.013, 32: 0.018}
+    plan.profile.seconds = {**measured, 16: 0.028, 1: 0.009}
+    seconds = plan._seconds()
+    points = [*measured.items(), (16, 0.028)]
+    slope, intercept = np.polyfit([n for n, _ in points], [t for _, t in points], 1)
+    for index, shape in enumerate(plan.shapes):
+        expected = 0.009 if shape.size == 1 else intercept + slope * shape.size
+        assert seconds[index] == pytest.approx(expected, rel=1e-12), describe_shape(shape)
+    by_window = {shape.window: s for shape, s in zip(plan.shapes, seconds)}
+    assert by_window[16] < 0.02 < 0.028
+
+
+def test_the_first_run_of_the_longest_window_is_longer_than_the_later_ones():
+    """A new profile times AR and a short window, then runs the longest window for 30 iterations
+    (its counted iterations are where every estimate starts); a later probe runs 10."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    shapes = [describe_shape(plan.choose()) for _ in range(32)]
+    assert shapes[:2] == ["AR", "window 4"]
+    assert shapes[2:] == ["window 32"] * 30
+    plan.profile.until_probe = 1
+    later = [describe_shape(plan.choose()) for _ in range(10)]
+    assert later == ["window 32"] * 10
