@@ -140,7 +140,7 @@ class _Decoder:
             self.state, self.new_from = WindowState.empty(
                 batch, window, vocab, self.device, settings.verification_prediction), 0
         elif self.state.tokens.shape[1] != window:
-            self.new_from = min(self.new_from, self.state.tokens.shape[1], window)
+            self.new_from = min(self.new_from, window)
             self.state = self.state.resized(window)
         tests, draws = tree.size * tree.branching, 1 + 3 * window
         uniforms = self.random.uniform(tests + draws + tree.tree_levels * vocab)

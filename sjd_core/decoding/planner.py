@@ -133,7 +133,8 @@ def largest_shape(settings: AccelerationSettings) -> int:
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares slope and intercept through ``(x, y)`` points with at least two distinct x."""
+    """Least-squares slope and intercept through ``(x, y)`` points with at least two distinct x
+    (the plan fits it before every iteration; ``np.polyfit`` takes about 100 us for that)."""
     count = len(points)
     mean_x = sum(x for x, _ in points) / count
     mean_y = sum(y for _, y in points) / count
@@ -171,10 +172,11 @@ class AutoPlan:
     seconds per iteration of the shapes measured so far (a shape's own time alone would keep it
     out of the running, once timed while the machine was busy, until it happened to run again);
     plain autoregression (its own, leaner step) competes with its own measured time. The first
-    run of the longest window is longer than the later ones, since every estimate starts from it. The iterations themselves are the timing probes, so measuring costs no
-    extra forward pass. What is learnt is kept for the next generation with the same model,
-    device, batch and settings. If the clock fails (an error, or a time that is not a positive
-    number), the rest of the generation feeds the longest window, and ``warnings`` says so.
+    run of the longest window is longer than the later ones, since every estimate starts from it.
+    The iterations themselves are the timing probes, so measuring costs no extra forward pass.
+    What is learnt is kept for the next generation with the same model, device, batch and
+    settings. If the clock fails (an error, or a time that is not a positive number), the rest of
+    the generation feeds the longest window, and ``warnings`` says so.
     """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
