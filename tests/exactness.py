@@ -208,4 +208,4 @@ def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor
                          node_tokens.gather(1, following))
     kinds = torch.where(offsets < accepted[:, None], verify.ACCEPTED, verify.RESIDUAL)
     return verify.Verdict(path, accepted, tokens, kinds,
-                          torch.full(tokens.shape, math.nan))
+                          torch.full(tokens.shape, math.nan), following)

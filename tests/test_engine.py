@@ -268,6 +268,9 @@ def test_trace_records_and_round_trips(model):
     accepted = trace.commit_kind == ACCEPTED
     assert np.isfinite(trace.acceptance_probability[accepted]).all()
     assert (trace.acceptance_probability[accepted] > 0).all()
+    # a residual draw follows a failed test (u * q(x) > p(x), so p/q < 1); a bonus draw, none
+    assert (trace.acceptance_probability[trace.commit_kind == RESIDUAL] < 1).all()
+    assert np.isnan(trace.acceptance_probability[trace.commit_kind == BONUS]).all()
     assert len(trace.forward_seconds) == summary["iterations"]
     assert 0 <= summary["other_share"] < 1
     restored = Trace.from_json(trace.to_json())

@@ -410,7 +410,8 @@ def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, fina
     tokens = torch.where(offsets == accepted[:, None], final[:, None],
                          node_tokens.gather(1, next_nodes))
     kinds = torch.full((batch, tree.window), verify.ACCEPTED)
-    return verify.Verdict(path, accepted, tokens, kinds, torch.full((batch, tree.window), 0.5))
+    return verify.Verdict(path, accepted, tokens, kinds, torch.full((batch, tree.window), 0.5),
+                          next_nodes)
 
 
 def longest_accepted_row(monkeypatch):
@@ -429,7 +430,7 @@ def ratio_scaled_by_1_2(monkeypatch):
 
 def residual_drawn_from_p(monkeypatch):
     """After a rejection the slot is drawn from the target p instead of norm(max(0, p - q))."""
-    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q, where=None: p)
 
 
 def ac_replacement_from_target(monkeypatch):

@@ -22,7 +22,7 @@ MARGIN = 1.05
 # median engine operations per iteration (outside the session's forward and keep)
 # pac+vp: 23 of them count how well VP's rises predicted; top-p's sort runs in numpy on a CPU
 # and is not counted here
-PINNED = {"ar": 35, "pac+vp": 496}
+PINNED = {"ar": 35, "pac+vp": 454}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

@@ -160,12 +160,12 @@ class _Decoder:
                               uniforms[:, tests], self.rule,
                               count_siblings=self.acceleration.adaptive_shape)
 
-        offsets = torch.arange(window, device=self.device)
+        offsets = tree.offsets
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
         forced = ((target.amax(-1).gather(1, verdict.path) >= _FORCED_MASS)
                   & (verdict.kinds != RELAXED))
         kinds = torch.where(forced, FORCED, verdict.kinds)
-        tested = node_source.gather(1, torch.cat([verdict.path[:, 1:], verdict.path[:, -1:]], 1))
+        tested = node_source.gather(1, verdict.drafted)
         sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
         window_slots = self.committed[:, None] + offsets
         writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
@@ -182,14 +182,13 @@ class _Decoder:
         if settings.verification_prediction:
             self._count_rises(verdict.tokens, offsets < count[:, None])
 
-        on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == torch.arange(
-            tree.size, device=self.device)
+        on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == tree.node_ids
         self.session.keep(on_path & (tree.depth < count[:, None]))
 
         self.committed = self.committed + count
         self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
         shifted, _ = shift_window(self.state, count)
-        new_offsets = torch.arange(window, device=self.device) + count[:, None]
+        new_offsets = offsets + count[:, None]
         has_target = new_offsets < window
         stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(window - 1))
         stale = target[rows, stale_nodes]

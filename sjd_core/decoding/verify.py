@@ -10,8 +10,8 @@ replacement from that slot's q. They are tested in order by recursive rejection 
 replacement (Jeon et al. 2024): after rejecting ``x_k``, ``p <- norm(max(0, p - q))`` and
 ``q <- q`` without ``x_k``, renormalised; the first accepted child is taken; if none is, the slot
 is drawn from the final residual. A chain is the case ``K = 1``. Every parent of the tree is
-tested at once (the loop runs over the ``K`` candidates, never over slots), and the accepted path
-is read off with one ancestor-matrix reduction.
+tested at once (a loop over the ``K`` candidate ranks builds the residuals, never one over slots),
+and the accepted path is read off with one product with the ancestor matrix.
 
 Relaxed rules replace ``(p(x), q(x))`` in the test by larger masses; they are lossy.
 """
@@ -153,6 +153,7 @@ class Verdict:
     tokens: torch.Tensor  # (B, L) code committed at offset j (valid for j <= accepted)
     kinds: torch.Tensor  # (B, L) commit kind at offset j
     probability: torch.Tensor  # (B, L) acceptance probability of the test at offset j (NaN: none)
+    drafted: torch.Tensor  # (B, L) node fed as offset j's draft: the path's next node
     sibling_tests: torch.Tensor | None = None  # (B,) PD candidates 2..K tested along the path
     sibling_passes: torch.Tensor | None = None  # (B,) of those, the ones that passed
 
@@ -163,7 +164,7 @@ class _Test:
 
     accept: torch.Tensor  # (B, N) candidate accepted
     relaxed: torch.Tensor | None  # (B, N) accepted only because the rule is relaxed (None: exact)
-    probability: torch.Tensor  # (B, N) acceptance probability min(1, p/q); NaN where not tested
+    probability: torch.Tensor  # (B, N) acceptance probability min(1, p/q) (read only where live)
 
 
 def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
@@ -191,8 +192,7 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
     """
     p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
     accept = live & (u * q_mass <= p_mass)
-    probability = torch.where(live, (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0),
-                              float("nan"))
+    probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
     relaxed = accept & ~(u * q_x <= p_x) if rule.relaxes else None
     return _Test(accept, relaxed, probability)
 
@@ -221,94 +221,139 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     ``uniforms`` (B, T, K): one per candidate; ``final_uniform`` (B,) for the last draw.
 
     Every node's first candidate is tested at once with gathered masses (a chain is the case
-    K = 1); the PD tree's inner nodes then test candidates 2..K with :func:`check_candidate`,
-    carrying full residual distributions (only there). The path follows the accepted child of
+    K = 1). At the PD tree's inner nodes :func:`_later_candidates` tests candidates 2..K (the
+    only place full residual distributions are carried). The path follows the accepted child of
     each node from the root. At its end the slot is drawn from what recursive rejection left
     (the residual after the rejected candidates), or from the target itself when no candidate
     was tested there (a bonus draw after a fully accepted chain). With ``count_siblings`` (for
     ``auto``'s estimate of how often a further candidate passes) the verdict also counts, per
     row, the candidates 2..K tested along the path and those that passed.
     """
-    batch, size, vocab = p.shape
-    child_slot = tree.depth.clamp_max(q_slots.shape[1] - 1)  # the slot a node's children fill
-    rows = torch.arange(batch, device=p.device)
-    first_child = tree.children[:, 0]
-    child_or_root = first_child.clamp_min(0)
-    x = node_tokens.index_select(1, child_or_root)
-    live = (first_child >= 0) & node_valid.index_select(1, child_or_root)
-    q_nodes = q_slots.index_select(1, child_slot) if rule.uses_q else None
-    q_x = q_slots[rows[:, None], child_slot, x]
-    first = check_candidate(rule, p, q_nodes, x, live, uniforms[..., 0], _masses(p, x), q_x)
-    chosen = torch.where(first.accept, first_child, -1)  # the accepted child of every node
+    vocab = p.shape[-1]
+    x = node_tokens.index_select(1, tree.first_child)
+    live = tree.has_child & node_valid.index_select(1, tree.first_child)
+    q_nodes = q_slots.index_select(1, tree.depth)  # a node's children fill the slot at its depth
+    q_x = _masses(q_nodes, x)
+    first = check_candidate(rule, p, q_nodes if rule.uses_q else None, x, live,
+                            uniforms[..., 0], _masses(p, x), q_x)
+    chosen = tree.first_child * first.accept  # the accepted child of every node, 0 for none
     taken = first.probability  # probability of the accepting test, else of the first test
     relaxed = first.relaxed
-    inner_end = sibling_tests = None
+    later = sibling_tests = rank = None
     if tree.branching > 1:
-        inner, kids = tree.inner_nodes, tree.children[tree.inner_nodes]  # (I,), (I, K)
-        kid_or_root = kids.clamp_min(0).flatten()
-        cand = node_tokens.index_select(1, kid_or_root).view(batch, *kids.shape)
-        cand_live = (kids >= 0) & node_valid.index_select(1, kid_or_root).view(batch, *kids.shape)
-        p_k, q_k = p.index_select(1, inner), q_slots.index_select(1, child_slot[inner])
-        u_inner = uniforms.index_select(1, inner)
-        first_accepted = first.accept.index_select(1, inner)
-        first_rejected = ~first_accepted
-        searching = first_rejected
-        q_x = q_x.index_select(1, inner)
-        rank = torch.where(first_accepted, 0, -1)  # which candidate each inner node took
-        inner_taken = taken.index_select(1, inner)
-        inner_relaxed = None if relaxed is None else relaxed.index_select(1, inner)
-        for k in range(1, tree.branching):
-            rejected = searching & cand_live[..., k - 1]
-            p_k = residual(p_k, q_k, rejected[..., None])
-            q_k = without_candidate(q_k, cand[..., k - 1], q_x, rejected)
-            x_k = cand[..., k]
-            q_x = _masses(q_k, x_k)
-            step = check_candidate(rule, p_k, q_k, x_k, cand_live[..., k] & searching,
-                                   u_inner[..., k], _masses(p_k, x_k), q_x)
-            rank = torch.where(step.accept, k, rank)
-            inner_taken = torch.where(step.accept, step.probability, inner_taken)
-            if inner_relaxed is not None:
-                inner_relaxed = inner_relaxed | step.relaxed
-            searching = searching & ~step.accept
-        inner_end = residual(p_k, q_k, (searching & cand_live[..., -1])[..., None])
+        later = _later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms,
+                                  first, q_x)
+        rank = later.rank
         if count_siblings:
-            sibling_tests = torch.where(rank > 0, rank, cand_live[..., 1:].sum(-1)) * first_rejected
-        chosen.index_copy_(1, inner, torch.where(rank >= 0, kids.expand(batch, -1, -1).gather(
-            2, rank.clamp_min(0)[..., None]).squeeze(-1), -1))
-        taken.index_copy_(1, inner, inner_taken)
+            sibling_tests = later.sibling_tests
+        chosen.index_copy_(1, tree.inner_nodes, later.chosen)
+        taken.index_copy_(1, tree.inner_nodes, later.taken)
         if relaxed is not None:
-            relaxed.index_copy_(1, inner, inner_relaxed)
+            relaxed.index_copy_(1, tree.inner_nodes, later.relaxed)
 
-    edge = torch.ones(batch, size, dtype=torch.bool, device=p.device)
-    edge[:, 1:] = chosen.index_select(1, tree.parent[1:]) == torch.arange(1, size, device=p.device)
-    on_path = ~((~edge)[:, None, :] & tree.ancestors).any(-1)
+    left_by_parent = (chosen.index_select(1, tree.parent_or_root) != tree.node_ids).to(p.dtype)
+    on_path = (left_by_parent @ tree.on_path_weights) == 0
     sibling_passes = None
     if sibling_tests is not None:
         inner_on_path = on_path.index_select(1, tree.inner_nodes)
         sibling_passes = ((rank > 0) & inner_on_path).sum(-1)
         sibling_tests = (sibling_tests * inner_on_path).sum(-1)
-    deepest = torch.where(on_path, tree.depth, -1).argmax(-1)
-    accepted = tree.depth[deepest]
-    path = tree.route[deepest]
+    deepest = torch.where(on_path, tree.depth, -1).argmax(-1, keepdim=True)  # (B, 1)
+    accepted = tree.depth.index_select(0, deepest[:, 0])
+    path = tree.route.index_select(0, deepest[:, 0])
 
-    tested_at_end = live[rows, deepest]
-    p_end = p[rows, deepest]
-    end = torch.where(tested_at_end[:, None], residual(p_end, q_slots[rows, child_slot[deepest]]),
-                      p_end)
-    if inner_end is not None:
-        at_inner = tree.inner_index[deepest]
-        end = torch.where((at_inner >= 0)[:, None], inner_end[rows, at_inner.clamp_min(0)], end)
-    final_token = sample(end, final_uniform)
+    # the slot after the path is drawn from the residual left at its end: after the first
+    # candidate's rejection, or at an inner node after every live candidate's; the target itself
+    # where nothing was tested
+    tested_at_end = live.gather(1, deepest)  # (B, 1)
+    deepest_v = deepest[..., None].expand(-1, -1, vocab)
+    end_p, end_q = p.gather(1, deepest_v), q_nodes.gather(1, deepest_v)  # (B, 1, V)
+    end_rejected = tested_at_end
+    if later is not None:
+        at_inner = tree.inner_index.index_select(0, deepest[:, 0])[:, None]  # (B, 1)
+        inner_end = at_inner >= 0
+        at_inner = at_inner.clamp_min(0)
+        at_inner_v = at_inner[..., None].expand(-1, -1, vocab)
+        end_p = torch.where(inner_end[..., None], later.last_p.gather(1, at_inner_v), end_p)
+        end_q = torch.where(inner_end[..., None], later.last_q.gather(1, at_inner_v), end_q)
+        end_rejected = torch.where(inner_end, later.last_live.gather(1, at_inner), end_rejected)
+    final_token = sample(residual(end_p[:, 0], end_q[:, 0], end_rejected), final_uniform)
 
-    offsets = torch.arange(tree.window, device=p.device)
-    before_end = offsets < accepted[:, None]
-    next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
-    tokens = torch.where(offsets == accepted[:, None], final_token[:, None],
-                         node_tokens.gather(1, next_nodes))
+    offsets = tree.offsets
+    before_end, at_end = offsets < accepted[:, None], offsets == accepted[:, None]
+    drafted = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
+    tokens = torch.where(at_end, final_token[:, None], node_tokens.gather(1, drafted))
     final_kind = torch.where(tested_at_end, RESIDUAL, BONUS)
     accepted_kind = (ACCEPTED if relaxed is None
                      else torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED))
-    kinds = torch.where(before_end, accepted_kind, final_kind[:, None])
-    probability = torch.where(before_end | tested_at_end[:, None], taken.gather(1, path),
+    kinds = torch.where(before_end, accepted_kind, final_kind)
+    probability = torch.where(before_end | (at_end & tested_at_end), taken.gather(1, path),
                               float("nan"))
-    return Verdict(path, accepted, tokens, kinds, probability, sibling_tests, sibling_passes)
+    return Verdict(path, accepted, tokens, kinds, probability, drafted, sibling_tests,
+                   sibling_passes)
+
+
+@dataclass
+class _LaterCandidates:
+    """The PD tree's inner nodes after testing their candidates 2..K (each (B, I) unless said)."""
+
+    chosen: torch.Tensor  # the accepted child, 0 for none
+    rank: torch.Tensor  # which candidate was accepted (0 = the first), -1 for none
+    taken: torch.Tensor  # probability of the accepting test, else of the first test
+    relaxed: torch.Tensor | None  # accepted only because the rule is relaxed
+    sibling_tests: torch.Tensor  # candidates 2..K tested (those before the accepted one)
+    # where no candidate passed the slot is drawn from residual(last_p, last_q) if the last
+    # candidate was live (and so rejected), else from last_p
+    last_p: torch.Tensor  # (B, I, V) p_K
+    last_q: torch.Tensor  # (B, I, V) q_K
+    last_live: torch.Tensor  # whether candidate K was live
+
+
+def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
+                      node_tokens: torch.Tensor, node_valid: torch.Tensor,
+                      uniforms: torch.Tensor, first: _Test, first_q_x: torch.Tensor
+                      ) -> _LaterCandidates:
+    """Recursive rejection at every inner node, candidates 2..K tested in one call.
+
+    Candidate k is only reached after 1..k-1 were rejected, so its distributions are
+    ``p_k``/``q_k`` of that chain of rejections whatever the tests said: they are built for every
+    inner node (a live candidate always counts as rejected; where an earlier one passed, the
+    values are never read), then all K - 1 tests run at once and each node takes its first
+    passing candidate. Candidates are live up to a point (a prefix), so the chain stops there.
+    """
+    inner = tree.inner_nodes
+    batch, (count, branching) = p.shape[0], tree.inner_children.shape
+    kids = tree.inner_children.flatten()
+    candidates = node_tokens.index_select(1, kids).view(batch, count, branching)
+    live = tree.inner_child_exists & node_valid.index_select(1, kids).view(batch, count, branching)
+    p_k, q_k = p.index_select(1, inner), q_nodes.index_select(1, inner)
+    q_x = first_q_x.index_select(1, inner)
+    targets, drafts, draft_masses = [], [], []
+    for k in range(1, branching):
+        rejected = live[..., k - 1]
+        p_k = residual(p_k, q_k, rejected[..., None])
+        q_k = without_candidate(q_k, candidates[..., k - 1], q_x, rejected)
+        q_x = _masses(q_k, candidates[..., k])
+        targets.append(p_k)
+        drafts.append(q_k)
+        draft_masses.append(q_x)
+    p_later = torch.stack(targets, dim=2)  # (B, I, K - 1, V)
+    x_later = candidates[..., 1:]
+    test = check_candidate(rule, p_later, torch.stack(drafts, dim=2) if rule.uses_q else None,
+                           x_later, live[..., 1:], uniforms.index_select(1, inner)[..., 1:],
+                           _masses(p_later, x_later), torch.stack(draft_masses, dim=-1))
+    first_accepted = first.accept.index_select(1, inner)
+    passed = test.accept & ~first_accepted[..., None]
+    later = passed.to(torch.int8).argmax(-1, keepdim=True)  # the first passing one (K - 1 if none)
+    any_passed = passed.gather(-1, later)[..., 0]
+    rank = torch.where(first_accepted, 0, torch.where(any_passed, later[..., 0] + 1, -1))
+    chosen = tree.inner_children.expand(batch, -1, -1).gather(
+        -1, rank.clamp_min(0)[..., None])[..., 0] * (rank >= 0)
+    taken = torch.where(any_passed, test.probability.gather(-1, later)[..., 0],
+                        first.probability.index_select(1, inner))
+    relaxed = None
+    if first.relaxed is not None:
+        relaxed = (first.relaxed.index_select(1, inner)
+                   | (any_passed & test.relaxed.gather(-1, later)[..., 0]))
+    sibling_tests = torch.where(rank > 0, rank, live[..., 1:].sum(-1)) * ~first_accepted
+    return _LaterCandidates(chosen, rank, taken, relaxed, sibling_tests, p_k, q_k, live[..., -1])
