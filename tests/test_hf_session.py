@@ -8,6 +8,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
+from sjd_core.models.session.mask_buffer import MaskBuffer
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
 GRID = (3, 4)  # 3 rows of 4 codes
@@ -381,3 +382,21 @@ def test_bad_arguments_name_the_input(llama):
     for rows in ([], [1, 0], [0, 2], [0, 0]):
         with pytest.raises(ValueError, match=re.escape(f"retain got rows={rows!r}") + ".*indices in 0..1"):
             session.retain(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_mask_slice_writes_equal_the_indexed_ones(dtype):
+    """With every row's tokens at the same columns the mask writes slices; the buffer ends as the
+    indexed writes leave it, for additive and boolean masks."""
+    rows, queries, capacity, first, n = 2, 6, 16, 5, 4
+    columns = (first + torch.arange(n)).expand(rows, 1, n)
+    buffers = []
+    for at in (None, first):
+        mask = MaskBuffer(torch.tensor([5, 3]), queries, capacity, dtype, torch.device("cpu"))
+        mask.write_block(columns, mask.values(torch.ones(n, n, dtype=torch.bool).tril())[None], at)
+        written = mask.buffer.clone()
+        mask.settle(columns, torch.tensor([2, 0]), at)
+        buffers.append((written, mask.buffer))
+    (indexed_block, indexed), (sliced_block, sliced) = buffers
+    assert not torch.equal(indexed_block, indexed)  # the settle changed something
+    assert torch.equal(sliced_block, indexed_block) and torch.equal(sliced, indexed)

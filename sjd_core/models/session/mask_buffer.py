@@ -53,21 +53,33 @@ class MaskBuffer:
             return allowed
         return torch.where(allowed, *self._choices)
 
-    def write_block(self, columns: torch.Tensor, block: torch.Tensor) -> None:
+    def write_block(self, columns: torch.Tensor, block: torch.Tensor, first: int | None = None
+                    ) -> None:
         """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
-        (rows or 1, n, n) mask values say what each of them sees of the others."""
-        queries, _ = self._range(columns.shape[2])
+        (rows or 1, n, n) mask values say what each of them sees of the others. ``first``: the
+        column where every row's tokens start, when the host knows it (a slice is written
+        instead of indexed places, which costs less)."""
+        n = columns.shape[2]
+        if first is not None:
+            self._by_row[:, :n, first:first + n] = block
+            return
+        queries, _ = self._range(n)
         self._by_row[self._rows, queries, columns] = block
 
     def view(self, tokens: int, width: int) -> torch.Tensor:
         """The (rows, 1, tokens, width) mask of a forward feeding ``tokens`` tokens."""
         return self.buffer[:, :, :tokens, :width]
 
-    def settle(self, columns: torch.Tensor, kept: torch.Tensor) -> None:
+    def settle(self, columns: torch.Tensor, kept: torch.Tensor, first: int | None = None) -> None:
         """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
-        later query of row ``r``; the rest are blocked."""
-        _, offsets = self._range(columns.shape[2])
-        self._by_row[self._rows, self._every_query, columns] = self.values(offsets < kept.view(-1, 1, 1))
+        later query of row ``r``; the rest are blocked. ``first`` as in ``write_block``."""
+        n = columns.shape[2]
+        _, offsets = self._range(n)
+        values = self.values(offsets < kept.view(-1, 1, 1))
+        if first is not None:
+            self._by_row[:, :, first:first + n] = values
+        else:
+            self._by_row[self._rows, self._every_query, columns] = values
 
     def open_columns(self, start: int, stop: int) -> None:
         """Open columns ``start .. stop - 1`` of every row to every query row (tokens that every

@@ -192,7 +192,7 @@ class SlotSession(DecodingSession):
                                        self._unsettled_from, int(plan.lengths.max()))
                 self._unsettled_from = None
             self.mask.write_block(fed.column_index, tree_block if fed.visible is None
-                                  else self.mask.values(fed.visible))
+                                  else self.mask.values(fed.visible), fed.first)
             return self.mask.view(plan.tokens, plan.width)
         if self._unsettled_from is None:
             self._unsettled_from = plan.width - 1
@@ -383,7 +383,7 @@ class SlotSession(DecodingSession):
             else:
                 self.store.compact(source, target)
         if fed.masked:
-            self.mask.settle(fed.column_index, kept)
+            self.mask.settle(fed.column_index, kept, fed.first)
         self._kept = kept
 
     def _keep_rows(self) -> None:
