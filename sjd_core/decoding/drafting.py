@@ -11,6 +11,7 @@ device reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -69,20 +70,54 @@ class DraftTree:
     route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
     inner_nodes: torch.Tensor  # (I,) nodes whose children are candidates (the PD tree's inside)
     inner_index: torch.Tensor  # (T,) position of each node in inner_nodes, -1 for the others
-    # for the verifier, so that none of it is rebuilt every iteration:
-    first_child: torch.Tensor  # (T,) each node's first child, 0 for a leaf
-    has_child: torch.Tensor  # (T,) bool
-    inner_children: torch.Tensor  # (I, branching) the inner nodes' children, 0 where absent
-    inner_child_exists: torch.Tensor  # (I, branching) bool
-    parent_or_root: torch.Tensor  # (T,) parent, 0 for the root
-    on_path_weights: torch.Tensor  # (T, T) float, 1 at [u, v] where u is v or an ancestor of v
-    # and not the root: v is on the accepted path when no such u was left by its parent
-    node_ids: torch.Tensor  # (T,) 0 .. T-1
-    offsets: torch.Tensor  # (window,) 0 .. window-1
 
     @property
     def size(self) -> int:
         return int(self.parent.numel())
+
+    # Tables read every iteration, derived from the fields above once per tree, at first use.
+    @cached_property
+    def first_child(self) -> torch.Tensor:
+        """(T,) each node's first child, 0 for a leaf."""
+        return self.children[:, 0].clamp_min(0)
+
+    @cached_property
+    def has_child(self) -> torch.Tensor:
+        """(T,) bool."""
+        return self.children[:, 0] >= 0
+
+    @cached_property
+    def inner_children(self) -> torch.Tensor:
+        """(I, branching) the inner nodes' children, 0 where absent."""
+        return self.children.index_select(0, self.inner_nodes).clamp_min(0)
+
+    @cached_property
+    def inner_child_exists(self) -> torch.Tensor:
+        """(I, branching) bool."""
+        return self.children.index_select(0, self.inner_nodes) >= 0
+
+    @cached_property
+    def parent_or_root(self) -> torch.Tensor:
+        """(T,) each node's parent, 0 for the root."""
+        return self.parent.clamp_min(0)
+
+    @cached_property
+    def on_path_weights(self) -> torch.Tensor:
+        """(T, T) float32, 1 at [u, v] where u is v or an ancestor of v and not the root: v is
+        on the accepted path when no such u was left unchosen by its parent."""
+        weights = self.ancestors.T.to(torch.float32)
+        weights[0] = 0.0
+        return weights
+
+    @cached_property
+    def node_ids(self) -> torch.Tensor:
+        """(T,) 0 .. T-1."""
+        return torch.arange(self.size, device=self.parent.device)
+
+    @cached_property
+    def offsets(self) -> torch.Tensor:
+        """(window,) 0 .. window-1."""
+        return torch.arange(self.window, device=self.parent.device)
 
     @staticmethod
     def for_settings(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
@@ -157,22 +192,13 @@ class DraftTree:
         inner_index = np.full(size, -1, dtype=np.int64)
         inner_index[inner] = np.arange(len(inner))
 
-        on_path_weights = ancestors.T.astype(np.float32)
-        on_path_weights[0] = 0.0
-
         def on_device(values, dtype=np.int64) -> torch.Tensor:
             return torch.as_tensor(np.asarray(values, dtype=dtype), device=device)
 
         return DraftTree(window, profile, levels, branching, on_device(parent), on_device(depth),
                          on_device(np.maximum(source, 0)), on_device(child_table),
                          on_device(ancestors, bool), ancestors, on_device(route),
-                         on_device(inner), on_device(inner_index),
-                         on_device(np.maximum(child_table[:, 0], 0)),
-                         on_device(child_table[:, 0] >= 0, bool),
-                         on_device(np.maximum(child_table[inner], 0)),
-                         on_device(child_table[inner] >= 0, bool),
-                         on_device(np.maximum(parent, 0)), on_device(on_path_weights, np.float32),
-                         on_device(np.arange(size)), on_device(np.arange(window)))
+                         on_device(inner), on_device(inner_index))
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).

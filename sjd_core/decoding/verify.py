@@ -251,8 +251,8 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
         if relaxed is not None:
             relaxed.index_copy_(1, tree.inner_nodes, later.relaxed)
 
-    left_by_parent = (chosen.index_select(1, tree.parent_or_root) != tree.node_ids).to(p.dtype)
-    on_path = (left_by_parent @ tree.on_path_weights) == 0
+    left = (chosen.index_select(1, tree.parent_or_root) != tree.node_ids)  # by the node's parent
+    on_path = (left.to(tree.on_path_weights.dtype) @ tree.on_path_weights) == 0
     sibling_passes = None
     if sibling_tests is not None:
         inner_on_path = on_path.index_select(1, tree.inner_nodes)
