@@ -242,10 +242,8 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     later = sibling_tests = rank = None
     if tree.branching > 1:
         later = _later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms,
-                                  first, q_x)
-        rank = later.rank
-        if count_siblings:
-            sibling_tests = later.sibling_tests
+                                  first, q_x, count_siblings)
+        rank, sibling_tests = later.rank, later.sibling_tests
         chosen.index_copy_(1, tree.inner_nodes, later.chosen)
         taken.index_copy_(1, tree.inner_nodes, later.taken)
         if relaxed is not None:
@@ -301,7 +299,8 @@ class _LaterCandidates:
     rank: torch.Tensor  # which candidate was accepted (0 = the first), -1 for none
     taken: torch.Tensor  # probability of the accepting test, else of the first test
     relaxed: torch.Tensor | None  # accepted only because the rule is relaxed
-    sibling_tests: torch.Tensor  # candidates 2..K tested (those before the accepted one)
+    sibling_tests: torch.Tensor | None  # candidates 2..K tested (those before the accepted
+    # one); None when not asked for
     # where no candidate passed the slot is drawn from residual(last_p, last_q) if the last
     # candidate was live (and so rejected), else from last_p
     last_p: torch.Tensor  # (B, I, V) p_K
@@ -311,8 +310,8 @@ class _LaterCandidates:
 
 def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
                       node_tokens: torch.Tensor, node_valid: torch.Tensor,
-                      uniforms: torch.Tensor, first: _Test, first_q_x: torch.Tensor
-                      ) -> _LaterCandidates:
+                      uniforms: torch.Tensor, first: _Test, first_q_x: torch.Tensor,
+                      count_siblings: bool) -> _LaterCandidates:
     """Recursive rejection at every inner node, candidates 2..K tested in one call.
 
     Candidate k is only reached after 1..k-1 were rejected, so its distributions are
@@ -355,5 +354,6 @@ def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Ten
     if first.relaxed is not None:
         relaxed = (first.relaxed.index_select(1, inner)
                    | (any_passed & test.relaxed.gather(-1, later)[..., 0]))
-    sibling_tests = torch.where(rank > 0, rank, live[..., 1:].sum(-1)) * ~first_accepted
+    sibling_tests = (torch.where(rank > 0, rank, live[..., 1:].sum(-1)) * ~first_accepted
+                     if count_siblings else None)
     return _LaterCandidates(chosen, rank, taken, relaxed, sibling_tests, p_k, q_k, live[..., -1])
