@@ -32,9 +32,7 @@ from .planner import Plan, describe_shape, make_plan
 from .sampling import RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
-from .verify import BONUS, FORCED, RELAXED, acceptance_rule, verify_tree
-
-_FORCED_MASS = 1.0 - 1e-6
+from .verify import BONUS, acceptance_rule, verify_tree
 
 
 @dataclass
@@ -101,8 +99,6 @@ class _Decoder:
         # per column, the target of the last committed slot (+ a column that absorbs the rest)
         self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
                                if acceleration.init == "above_target" else None)
-        self.ar_kinds = (torch.tensor(FORCED, dtype=torch.int8, device=device),
-                         torch.tensor(BONUS, dtype=torch.int8, device=device))
         self.iteration = 0
         self.siblings = (0, 0)  # PD candidates 2..K tested and passed in the last iteration
 
@@ -118,8 +114,7 @@ class _Decoder:
         if self.column_targets is not None:
             self.column_targets[torch.arange(len(self.rows), device=self.device),
                                 self.committed % self.width] = target
-        forced = target.amax(-1) >= _FORCED_MASS
-        self.recorder.committed_slots(self.iteration, flat, torch.where(forced, *self.ar_kinds))
+        self.recorder.committed_slots(self.iteration, flat, target.amax(-1))
         self.committed += 1
         self.anchor = token
         self.state = None
@@ -162,9 +157,6 @@ class _Decoder:
 
         offsets = tree.offsets
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
-        forced = ((target.amax(-1).gather(1, verdict.path) >= _FORCED_MASS)
-                  & (verdict.kinds != RELAXED))
-        kinds = torch.where(forced, FORCED, verdict.kinds)
         tested = node_source.gather(1, verdict.drafted)
         sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
         window_slots = self.committed[:, None] + offsets
@@ -178,7 +170,8 @@ class _Decoder:
                                          target[rows, verdict.path])
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
-        self.recorder.committed_slots(self.iteration, writes, kinds, verdict.probability, sources)
+        self.recorder.committed_slots(self.iteration, writes, target.amax(-1).gather(1, verdict.path),
+                                      verdict.kinds, verdict.probability, sources)
         if settings.verification_prediction:
             self._count_rises(verdict.tokens, offsets < count[:, None])
 

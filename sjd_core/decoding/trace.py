@@ -1,7 +1,8 @@
 """What happened during a generation: per iteration and per slot, and the summaries of both.
 
-During decoding :class:`TraceRecorder` keeps everything on the model's device (no reads back);
-``finish`` turns it into a :class:`Trace` of plain numpy arrays that serialises to JSON and feeds
+During decoding :class:`TraceRecorder` keeps references to what the engine made, on the
+model's device (no operation and no read back per iteration); ``finish`` lays them out and turns
+them into a :class:`Trace` of plain numpy arrays that serialises to JSON and feeds
 the diagnostics heatmaps.
 """
 
@@ -19,9 +20,10 @@ import torch
 from ..messages import quote
 from .drafting import DRAFT_SOURCES
 from .sampling import as_type
-from .verify import ACCEPTED, COMMIT_KINDS, RESIDUAL
+from .verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
 _NEVER = 2**31 - 1
+FORCED_MASS = 1.0 - 1e-6  # a target this sure of one code left no choice: a forced slot
 # What VP's consecutive rises predicted, counted over committed slots that had a history: the
 # slots, those whose committed code had risen, those where some code had, and those where the
 # likeliest code that had risen was the committed one.
@@ -70,57 +72,102 @@ class Clock:
 
 
 class TraceRecorder:
-    """Accumulates per-slot records on the device and per-iteration records on the host.
+    """Keeps what every iteration recorded, as the device tensors the engine made, and lays it
+    out per slot once, in ``finish``.
 
-    Slot records are flat (B * (slots + 1),): index ``row * (slots + 1) + slot``, where the
-    extra column of each row absorbs writes for slots past the grid. The clock takes four marks
-    per iteration: its start, the network's start and end (marked by the session), its end.
+    An iteration only appends references (no operation, no read back); ``finish`` joins each
+    record's tensors and writes them with one scatter. Slot records are flat (B * (slots + 1),):
+    index ``row * (slots + 1) + slot``, where the extra column of each row absorbs writes for
+    slots past the grid. The clock takes four marks per iteration: its start, the network's
+    start and end (marked by the session), its end.
     """
 
     def __init__(self, batch: int, slots: int, device: torch.device) -> None:
-        self.batch, self.slots = batch, slots
-        size = batch * (slots + 1)
-        self.commit_iteration = torch.full((size,), -1, dtype=torch.int32, device=device)
-        self.entered = torch.full((size,), _NEVER, dtype=torch.int32, device=device)
-        self.probability = torch.full((size,), float("nan"), device=device)
-        self.kind = torch.zeros(size, dtype=torch.int8, device=device)
-        self.source = torch.zeros(size, dtype=torch.int8, device=device)
+        self.batch, self.slots, self.device = batch, slots, device
+        self._entered: list[tuple[int, torch.Tensor]] = []
+        self._commits: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                  torch.Tensor | None, torch.Tensor | None]] = []
+        self._rises: list[tuple[torch.Tensor, ...]] = []
         self.committed: list[list[int]] = []  # per iteration, per image of the batch
-        self.rises: torch.Tensor | None = None  # VP's counts (see count_rises)
         self.shape_index: list[int] = []
         self.shapes: list[str] = []
         self.clock = Clock(device)
 
     def entered_window(self, iteration: int, flat_index: torch.Tensor) -> None:
         """Slots (flat indices) fed in the window at ``iteration``."""
-        index = flat_index.flatten()
-        value = torch.full_like(index, iteration, dtype=torch.int32)
-        self.entered.scatter_reduce_(0, index, value, reduce="amin")
+        self._entered.append((iteration, flat_index))
 
-    def committed_slots(self, iteration: int, flat_index: torch.Tensor, kinds: torch.Tensor,
-                        probability: torch.Tensor | None = None,
+    def committed_slots(self, iteration: int, flat_index: torch.Tensor, top_mass: torch.Tensor,
+                        kinds: torch.Tensor | None = None, probability: torch.Tensor | None = None,
                         sources: torch.Tensor | None = None) -> None:
-        """Record the slots committed this iteration (flat indices; the trash column where not).
+        """Record the slots committed at ``iteration`` (flat indices; the trash column where not).
 
-        Without ``probability`` and ``sources`` (plain autoregression: no draft was tested) the
-        slots keep NaN and "no draft"; a slot never recorded as fed counts as fed once, when it
-        was committed.
+        ``top_mass``: the largest probability of each slot's target; at ``FORCED_MASS`` or above
+        the slot counts as forced (the model left no choice) unless a relaxed rule accepted it.
+        ``kinds`` (``COMMIT_KINDS``): None for plain autoregression's draws, which are recorded
+        as bonus draws. Without ``probability`` and ``sources`` (no draft was tested) the slots
+        keep NaN and "no draft"; a slot never recorded as fed counts as fed once, when it was
+        committed.
         """
-        index = flat_index.flatten()
-        self.commit_iteration.index_fill_(0, index, iteration)
-        self.kind.scatter_(0, index, as_type(kinds.flatten(), torch.int8))
-        if probability is not None:
-            self.probability.scatter_(0, index, as_type(probability.flatten(), torch.float32))
-        if sources is not None:
-            self.source.scatter_(0, index, sources.flatten())
+        self._commits.append((iteration, flat_index, top_mass, kinds, probability, sources))
 
     def count_rises(self, counted: torch.Tensor, rose: torch.Tensor, any_rose: torch.Tensor,
                     likeliest: torch.Tensor) -> None:
-        """Add up, over the committed slots ``counted`` (B, L), VP's three hits (see
-        ``RISE_COUNTS``); kept on the device."""
-        hits = torch.stack([counted, counted & rose, counted & any_rose,
-                            counted & any_rose & likeliest]).flatten(1).sum(1)
-        self.rises = hits if self.rises is None else self.rises + hits
+        """Record, over the committed slots ``counted`` (B, L), VP's three hits (see
+        ``RISE_COUNTS``); they are added up in ``finish``."""
+        self._rises.append((counted, rose, any_rose, likeliest))
+
+    def _slot_records(self) -> dict[str, torch.Tensor]:
+        """The per-slot records, flat: each record's tensors joined and written at once (a slot
+        is committed once; only the trash column is written more than once)."""
+        size = self.batch * (self.slots + 1)
+        device = self.device
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([part.flatten() for part in parts]) if parts else \
+                torch.zeros(0, dtype=torch.long, device=device)
+
+        def per_iteration(records: list[tuple]) -> torch.Tensor:
+            counts = [r[1].numel() for r in records]
+            iterations = torch.tensor([r[0] for r in records], dtype=torch.int32, device=device)
+            return torch.repeat_interleave(iterations, torch.tensor(counts, device=device),
+                                           output_size=sum(counts))
+
+        entered = torch.full((size,), _NEVER, dtype=torch.int32, device=device)
+        if self._entered:
+            entered.scatter_reduce_(0, joined([r[1] for r in self._entered]),
+                                    per_iteration(self._entered), reduce="amin")
+        commits = self._commits
+        index = joined([r[1] for r in commits])
+        commit_iteration = torch.full((size,), -1, dtype=torch.int32, device=device)
+        kind = torch.zeros(size, dtype=torch.int8, device=device)
+        probability = torch.full((size,), float("nan"), device=device)
+        source = torch.zeros(size, dtype=torch.int8, device=device)
+        if commits:
+            commit_iteration.scatter_(0, index, per_iteration(commits))
+            bonus = torch.tensor(BONUS, dtype=torch.int8, device=device)
+            kinds = joined([bonus.expand(r[1].numel()) if r[3] is None else as_type(r[3], torch.int8)
+                            for r in commits])
+            forced = (joined([r[2] for r in commits]) >= FORCED_MASS) & (kinds != RELAXED)
+            kind.scatter_(0, index, torch.where(forced, FORCED, kinds))
+            tested = [r for r in commits if r[4] is not None]
+            if tested:
+                tested_index = joined([r[1] for r in tested])
+                probability.scatter_(0, tested_index,
+                                     as_type(joined([r[4] for r in tested]), torch.float32))
+                source.scatter_(0, tested_index, as_type(joined([r[5] for r in tested]), torch.int8))
+        return {"entered": entered, "commit_iteration": commit_iteration, "kind": kind,
+                "probability": probability, "source": source}
+
+    def _rise_counts(self) -> list[int] | None:
+        """VP's counts over the whole generation (``RISE_COUNTS``), None when nothing was
+        recorded."""
+        if not self._rises:
+            return None
+        counted, rose, any_rose, likeliest = (torch.cat([r[i].flatten() for r in self._rises])
+                                              for i in range(4))
+        some = counted & any_rose
+        return torch.stack([counted, counted & rose, some, some & likeliest]).sum(1).tolist()
 
     def iteration_done(self, rows: list[int], accepted: list[int], shape: str) -> None:
         """Host-side record of one iteration: slots committed per image, and the shape fed."""
@@ -141,8 +188,9 @@ class TraceRecorder:
             return x.view(batch, self.slots + 1)[:, : self.slots].reshape(
                 batch, height, width).cpu().numpy()
 
-        commit = to_grid(self.commit_iteration)
-        entered = to_grid(self.entered)
+        slot = self._slot_records()
+        commit = to_grid(slot["commit_iteration"])
+        entered = to_grid(slot["entered"])
         entered = np.where(entered == _NEVER, commit, entered)  # committed without being fed
         seconds = self.clock.phases(4)  # start, network start, network end, end
         iterations = len(self.committed)
@@ -150,8 +198,9 @@ class TraceRecorder:
             raise RuntimeError(f"the clock has {seconds.shape[0]} complete iterations of marks for "
                                f"{iterations} iterations: a session must call mark() twice per "
                                "forward")
-        if self.rises is not None:
-            meta = dict(meta, vp_rises=dict(zip(RISE_COUNTS, self.rises.tolist())))
+        rises = self._rise_counts()
+        if rises is not None:
+            meta = dict(meta, vp_rises=dict(zip(RISE_COUNTS, rises)))
         return Trace(
             meta=dict(meta, run_id=uuid.uuid4().hex, grid=[height, width], batch=batch,
                       shapes=list(self.shapes), trace_version=TRACE_VERSION),
@@ -162,9 +211,9 @@ class TraceRecorder:
             shape_per_iteration=np.array(self.shape_index, dtype=np.int64),
             commit_iteration=commit.astype(np.int64),
             iterations_in_window=(commit - entered + 1).astype(np.int64),
-            acceptance_probability=to_grid(self.probability).astype(np.float64),
-            commit_kind=to_grid(self.kind).astype(np.int64),
-            draft_source=to_grid(self.source).astype(np.int64),
+            acceptance_probability=to_grid(slot["probability"]).astype(np.float64),
+            commit_kind=to_grid(slot["kind"]).astype(np.int64),
+            draft_source=to_grid(slot["source"]).astype(np.int64),
         )
 
 
