@@ -452,23 +452,21 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     return fused, history
 
 
-def shift_window(state: WindowState, shift: torch.Tensor) -> tuple[WindowState, torch.Tensor]:
-    """Move every row's window forward by its commit count; returns the state and the mask of
-    offsets that came from inside the old window (the others are new: no draft yet)."""
-    batch, window = state.tokens.shape
-    offsets = torch.arange(window, device=shift.device) + shift[:, None]
-    in_range = offsets < window
-    index = offsets.clamp_max(window - 1)
-    rows = torch.arange(batch, device=shift.device)[:, None]
+def shift_window(state: WindowState, rows: torch.Tensor, source: torch.Tensor,
+                 in_range: torch.Tensor) -> WindowState:
+    """Move every row's window forward by its commit count: new offset ``j`` of row ``b`` takes
+    old offset ``source[b, j]`` (``j`` plus the count, clamped to the window); ``in_range``
+    (B, W) marks the offsets that came from inside the old window (the others are new: no
+    draft yet). ``rows`` is (B, 1) ``0 .. B-1``; the caller has all three at hand already."""
 
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
         # indexing copies each slot's whole distribution at once (a gather reads an index per code)
-        return None if x is None else x[rows, index]
+        return None if x is None else x[rows, source]
 
     known = None if state.vp_known is None else take(state.vp_known) & in_range
     return WindowState(take(state.tokens), take(state.q), take(state.source),
                        take(state.fed) & in_range, take(state.vp_mean), take(state.vp_last),
-                       take(state.vp_rises), known), in_range
+                       take(state.vp_rises), known)
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,

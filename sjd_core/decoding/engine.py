@@ -160,12 +160,12 @@ class _Decoder:
         tested = node_source.gather(1, verdict.drafted)
         sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
         window_slots = self.committed[:, None] + offsets
-        writes = self.row_start[:, None] + torch.where(offsets < count[:, None], window_slots,
-                                                       self.slots)
+        committing = offsets < count[:, None]
+        writes = self.row_start[:, None] + torch.where(committing, window_slots, self.slots)
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
         rows = torch.arange(batch, device=self.device)[:, None]
         if self.column_targets is not None:
-            columns = torch.where(offsets < count[:, None], window_slots % self.width, self.width)
+            columns = torch.where(committing, window_slots % self.width, self.width)
             self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab),
                                          target[rows, verdict.path])
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
@@ -173,18 +173,18 @@ class _Decoder:
         self.recorder.committed_slots(self.iteration, writes, target.amax(-1).gather(1, verdict.path),
                                       verdict.kinds, verdict.probability, sources)
         if settings.verification_prediction:
-            self._count_rises(verdict.tokens, offsets < count[:, None])
+            self._count_rises(verdict.tokens, committing)
 
         on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == tree.node_ids
         self.session.keep(on_path & (tree.depth < count[:, None]))
 
         self.committed = self.committed + count
         self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
-        shifted, _ = shift_window(self.state, count)
         new_offsets = offsets + count[:, None]
-        has_target = new_offsets < window
-        stale_nodes = verdict.path.gather(1, new_offsets.clamp_max(window - 1))
-        stale = target[rows, stale_nodes]
+        has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
+        moved_from = new_offsets.clamp_max(window - 1)
+        shifted = shift_window(self.state, rows, moved_from, has_target)
+        stale = target[rows, verdict.path.gather(1, moved_from)]
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous = self.done
