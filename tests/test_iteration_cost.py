@@ -22,7 +22,7 @@ MARGIN = 1.05
 # median engine operations per iteration (outside the session's forward and keep)
 # pac+vp: 12 of them check how well VP's rises predicted; top-p's sort runs in numpy on a CPU
 # and is not counted here; the trace lays out its records once, after the last iteration
-PINNED = {"ar": 29, "pac+vp": 420}
+PINNED = {"ar": 29, "pac+vp": 400}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

@@ -422,19 +422,21 @@ def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | No
 
 
 def predict_verification(targets: torch.Tensor, state: WindowState, known: torch.Tensor,
-                         settings: AccelerationSettings) -> tuple[torch.Tensor, WindowState]:
+                         updated: torch.Tensor, settings: AccelerationSettings
+                         ) -> tuple[torch.Tensor, WindowState]:
     """SJD-VP: bias each slot's draft distribution towards codes whose probability keeps rising.
 
     ``S = log p_t - log pbar``; codes among the ``vp_top_k`` most likely whose probability rose
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
     ``q' = softmax``. ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
-    history already shifted to the new window; ``known`` marks slots that have one.
-    Returns q' (B, W, V) and the state with the updated history.
+    history already shifted to the new window; ``known`` marks slots that have one, ``updated``
+    those that have one after this update (the slots with a target). Returns q' (B, W, V) and
+    the state with the updated history.
     """
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
-    rises = torch.where(known3 & (targets > last), state.vp_rises + 1, 0)
+    rises = torch.where(targets > last, state.vp_rises + 1, 0)  # a new history: last == targets
     # The logarithm of 0 or of a subnormal float takes a CPU about ten times as long as that of a
     # normal one, and most codes have probability 0: both logarithms read normal floats only.
     # Targets are flushed probabilities (0 or >= NEGLIGIBLE), so log_p is log(targets) exactly;
@@ -442,13 +444,13 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     log_p = torch.log(targets.clamp_min(NEGLIGIBLE)).masked_fill_(targets == 0.0, float("-inf"))
     growth = log_p - torch.log(mean.clamp_min(_MEAN_FLOOR)).clamp_min(_LOG_FLOOR)
     top = min(settings.vp_top_k, targets.shape[-1])
-    kth = torch.topk(targets, top, dim=-1).values[..., -1:]
-    boosted = (rises >= settings.vp_rises) & (targets >= kth) & (targets > 0)
+    # among the top codes and above 0: a flushed target is 0 or at least NEGLIGIBLE
+    kth = torch.topk(targets, top, dim=-1).values[..., -1:].clamp_min(NEGLIGIBLE)
+    boosted = (rises >= settings.vp_rises) & (targets >= kth)
     fused = flush_negligible(torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1))
     decay = settings.vp_decay
     history = WindowState(state.tokens, state.q, state.source, state.fed,
-                          decay * mean + (1 - decay) * targets, targets, rises,
-                          torch.ones_like(known))
+                          decay * mean + (1 - decay) * targets, targets, rises, updated)
     return fused, history
 
 
@@ -457,16 +459,16 @@ def shift_window(state: WindowState, rows: torch.Tensor, source: torch.Tensor,
     """Move every row's window forward by its commit count: new offset ``j`` of row ``b`` takes
     old offset ``source[b, j]`` (``j`` plus the count, clamped to the window); ``in_range``
     (B, W) marks the offsets that came from inside the old window (the others are new: no
-    draft yet). ``rows`` is (B, 1) ``0 .. B-1``; the caller has all three at hand already."""
+    draft yet). ``rows`` is (B, 1) ``0 .. B-1``; the caller has all three at hand already.
+    VP's ``vp_known`` is moved as it is: :func:`redraft` keeps only the slots with a target."""
 
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
         # indexing copies each slot's whole distribution at once (a gather reads an index per code)
         return None if x is None else x[rows, source]
 
-    known = None if state.vp_known is None else take(state.vp_known) & in_range
     return WindowState(take(state.tokens), take(state.q), take(state.source),
                        take(state.fed) & in_range, take(state.vp_mean), take(state.vp_last),
-                       take(state.vp_rises), known)
+                       take(state.vp_rises), take(state.vp_known))
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
@@ -484,7 +486,7 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     """
     if settings.verification_prediction:
         draw_from, state = predict_verification(targets, state, state.vp_known & has_target,
-                                                settings)
+                                                has_target, settings)
         fresh_source = VP_DRAW
     else:
         draw_from, fresh_source = targets, TARGET_DRAW
@@ -500,6 +502,4 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     state.q = torch.where(has_target[..., None], draw_from, state.q)
     state.source = as_type(torch.where(has_target, source, state.source), torch.int8)
     state.fed = state.fed | has_target
-    if settings.verification_prediction:
-        state.vp_known = state.vp_known & has_target
     return state

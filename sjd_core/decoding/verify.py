@@ -201,10 +201,11 @@ def without_candidate(q: torch.Tensor, x: torch.Tensor, q_x: torch.Tensor,
                       rejected: torch.Tensor) -> torch.Tensor:
     """``q_{k+1}``: ``q`` without the rejected candidate ``x`` (of mass ``q_x``), renormalised
     by the mass left (``q`` sums to 1); ``q`` itself where ``x`` was not rejected, or where
-    nothing is left."""
-    left = (1.0 - q_x)[..., None]
-    keep = rejected[..., None] & (left > MIN_MASS)
-    return torch.where(keep, q.scatter(-1, x[..., None], 0.0) / left.clamp_min(MIN_MASS), q)
+    nothing is left. ``x``, ``q_x`` and ``rejected`` have ``q``'s leading shape and a last
+    axis of 1."""
+    left = 1.0 - q_x
+    keep = rejected & (left > MIN_MASS)
+    return torch.where(keep, q.scatter(-1, x, 0.0) / left.clamp_min(MIN_MASS), q)
 
 
 def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -326,13 +327,16 @@ def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Ten
     candidates = node_tokens.index_select(1, kids).view(batch, count, branching)
     live = tree.inner_child_exists & node_valid.index_select(1, kids).view(batch, count, branching)
     p_k, q_k = p.index_select(1, inner), q_nodes.index_select(1, inner)
-    q_x = first_q_x.index_select(1, inner)
+    # (B, I, K, 1) and (B, I, 1): each candidate k's values with the trailing axis the
+    # distributions' operations take
+    candidate_at, live_at = candidates[..., None], live[..., None]
+    q_x = first_q_x.index_select(1, inner)[..., None]
     targets, drafts, draft_masses = [], [], []
     for k in range(1, branching):
-        rejected = live[..., k - 1]
-        p_k = residual(p_k, q_k, rejected[..., None])
-        q_k = without_candidate(q_k, candidates[..., k - 1], q_x, rejected)
-        q_x = _masses(q_k, candidates[..., k])
+        rejected = live_at[..., k - 1, :]
+        p_k = residual(p_k, q_k, rejected)
+        q_k = without_candidate(q_k, candidate_at[..., k - 1, :], q_x, rejected)
+        q_x = q_k.gather(-1, candidate_at[..., k, :])
         targets.append(p_k)
         drafts.append(q_k)
         draft_masses.append(q_x)
@@ -340,7 +344,7 @@ def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Ten
     x_later = candidates[..., 1:]
     test = check_candidate(rule, p_later, torch.stack(drafts, dim=2) if rule.uses_q else None,
                            x_later, live[..., 1:], uniforms.index_select(1, inner)[..., 1:],
-                           _masses(p_later, x_later), torch.stack(draft_masses, dim=-1))
+                           _masses(p_later, x_later), torch.cat(draft_masses, dim=-1))
     first_accepted = first.accept.index_select(1, inner)
     passed = test.accept & ~first_accepted[..., None]
     later = passed.to(torch.int8).argmax(-1, keepdim=True)  # the first passing one (K - 1 if none)
