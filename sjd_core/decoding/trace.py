@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -71,6 +71,38 @@ class Clock:
         return np.array(span, dtype=np.float64).reshape(len(groups), per_iteration - 1)
 
 
+class _Entered(NamedTuple):
+    """Slots fed in the window at one iteration (flat indices)."""
+
+    iteration: int
+    index: torch.Tensor
+
+
+class _Commits(NamedTuple):
+    """Slots committed at one iteration, as ``TraceRecorder.committed_slots`` takes them."""
+
+    iteration: int
+    index: torch.Tensor
+    top_mass: torch.Tensor
+    kinds: torch.Tensor | None
+    probability: torch.Tensor | None
+    sources: torch.Tensor | None
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts flattened and joined, in order."""
+    return torch.cat([part.flatten() for part in parts])
+
+
+def _iteration_of_each(records: list[_Entered] | list[_Commits], device: torch.device
+                       ) -> torch.Tensor:
+    """For ``_joined`` indices of ``records``, the iteration each came from (int32)."""
+    counts = [r.index.numel() for r in records]
+    iterations = torch.tensor([r.iteration for r in records], dtype=torch.int32, device=device)
+    return torch.repeat_interleave(iterations, torch.tensor(counts, device=device),
+                                   output_size=sum(counts))
+
+
 class TraceRecorder:
     """Keeps what every iteration recorded, as the device tensors the engine made, and lays it
     out per slot once, in ``finish``.
@@ -84,10 +116,9 @@ class TraceRecorder:
 
     def __init__(self, batch: int, slots: int, device: torch.device) -> None:
         self.batch, self.slots, self.device = batch, slots, device
-        self._entered: list[tuple[int, torch.Tensor]] = []
-        self._commits: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                  torch.Tensor | None, torch.Tensor | None]] = []
-        self._rises: list[tuple[torch.Tensor, ...]] = []
+        self._entered: list[_Entered] = []
+        self._commits: list[_Commits] = []
+        self._rises: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.committed: list[list[int]] = []  # per iteration, per image of the batch
         self.shape_index: list[int] = []
         self.shapes: list[str] = []
@@ -95,7 +126,7 @@ class TraceRecorder:
 
     def entered_window(self, iteration: int, flat_index: torch.Tensor) -> None:
         """Slots (flat indices) fed in the window at ``iteration``."""
-        self._entered.append((iteration, flat_index))
+        self._entered.append(_Entered(iteration, flat_index))
 
     def committed_slots(self, iteration: int, flat_index: torch.Tensor, top_mass: torch.Tensor,
                         kinds: torch.Tensor | None = None, probability: torch.Tensor | None = None,
@@ -109,7 +140,7 @@ class TraceRecorder:
         keep NaN and "no draft"; a slot never recorded as fed counts as fed once, when it was
         committed.
         """
-        self._commits.append((iteration, flat_index, top_mass, kinds, probability, sources))
+        self._commits.append(_Commits(iteration, flat_index, top_mass, kinds, probability, sources))
 
     def count_rises(self, counted: torch.Tensor, rose: torch.Tensor, any_rose: torch.Tensor,
                     likeliest: torch.Tensor) -> None:
@@ -120,42 +151,31 @@ class TraceRecorder:
     def _slot_records(self) -> dict[str, torch.Tensor]:
         """The per-slot records, flat: each record's tensors joined and written at once (a slot
         is committed once; only the trash column is written more than once)."""
-        size = self.batch * (self.slots + 1)
-        device = self.device
-
-        def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([part.flatten() for part in parts]) if parts else \
-                torch.zeros(0, dtype=torch.long, device=device)
-
-        def per_iteration(records: list[tuple]) -> torch.Tensor:
-            counts = [r[1].numel() for r in records]
-            iterations = torch.tensor([r[0] for r in records], dtype=torch.int32, device=device)
-            return torch.repeat_interleave(iterations, torch.tensor(counts, device=device),
-                                           output_size=sum(counts))
-
+        size, device = self.batch * (self.slots + 1), self.device
         entered = torch.full((size,), _NEVER, dtype=torch.int32, device=device)
-        if self._entered:
-            entered.scatter_reduce_(0, joined([r[1] for r in self._entered]),
-                                    per_iteration(self._entered), reduce="amin")
-        commits = self._commits
-        index = joined([r[1] for r in commits])
         commit_iteration = torch.full((size,), -1, dtype=torch.int32, device=device)
         kind = torch.zeros(size, dtype=torch.int8, device=device)
         probability = torch.full((size,), float("nan"), device=device)
         source = torch.zeros(size, dtype=torch.int8, device=device)
+        if self._entered:
+            entered.scatter_reduce_(0, _joined([r.index for r in self._entered]),
+                                    _iteration_of_each(self._entered, device), reduce="amin")
+        commits = self._commits
         if commits:
-            commit_iteration.scatter_(0, index, per_iteration(commits))
+            index = _joined([r.index for r in commits])
+            commit_iteration.scatter_(0, index, _iteration_of_each(commits, device))
             bonus = torch.tensor(BONUS, dtype=torch.int8, device=device)
-            kinds = joined([bonus.expand(r[1].numel()) if r[3] is None else as_type(r[3], torch.int8)
-                            for r in commits])
-            forced = (joined([r[2] for r in commits]) >= FORCED_MASS) & (kinds != RELAXED)
+            kinds = _joined([bonus.expand(r.index.numel()) if r.kinds is None
+                             else as_type(r.kinds, torch.int8) for r in commits])
+            forced = (_joined([r.top_mass for r in commits]) >= FORCED_MASS) & (kinds != RELAXED)
             kind.scatter_(0, index, torch.where(forced, FORCED, kinds))
-            tested = [r for r in commits if r[4] is not None]
+            tested = [r for r in commits if r.probability is not None]
             if tested:
-                tested_index = joined([r[1] for r in tested])
-                probability.scatter_(0, tested_index,
-                                     as_type(joined([r[4] for r in tested]), torch.float32))
-                source.scatter_(0, tested_index, as_type(joined([r[5] for r in tested]), torch.int8))
+                tested_index = _joined([r.index for r in tested])
+                probability.scatter_(0, tested_index, as_type(
+                    _joined([r.probability for r in tested]), torch.float32))
+                source.scatter_(0, tested_index,
+                                as_type(_joined([r.sources for r in tested]), torch.int8))
         return {"entered": entered, "commit_iteration": commit_iteration, "kind": kind,
                 "probability": probability, "source": source}
 
