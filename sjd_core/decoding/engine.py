@@ -170,8 +170,9 @@ class _Decoder:
                                          target[rows, verdict.path])
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
-        self.recorder.committed_slots(self.iteration, writes, target.amax(-1).gather(1, verdict.path),
-                                      verdict.kinds, verdict.probability, sources)
+        self.recorder.committed_slots(self.iteration, writes,
+                                      target.amax(-1).gather(1, verdict.path), verdict.kinds,
+                                      verdict.probability, sources)
         if settings.verification_prediction:
             self._count_rises(verdict.tokens, committing)
 

@@ -184,7 +184,7 @@ class TraceRecorder:
         recorded."""
         if not self._rises:
             return None
-        counted, rose, any_rose, likeliest = (torch.cat([r[i].flatten() for r in self._rises])
+        counted, rose, any_rose, likeliest = (_joined([r[i] for r in self._rises])
                                               for i in range(4))
         some = counted & any_rose
         return torch.stack([counted, counted & rose, some, some & likeliest]).sum(1).tolist()
