@@ -8,6 +8,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
+from sjd_core.models.session.kv_store import KVStore
 from sjd_core.models.session.mask_buffer import MaskBuffer
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
@@ -400,3 +401,31 @@ def test_mask_slice_writes_equal_the_indexed_ones(dtype):
     (indexed_block, indexed), (sliced_block, sliced) = buffers
     assert not torch.equal(indexed_block, indexed)  # the settle changed something
     assert torch.equal(sliced_block, indexed_block) and torch.equal(sliced, indexed)
+
+
+def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
+    """Once every layer has written, the next plan puts the layers that share device, dtype and
+    shape in one tensor; a compaction then moves their entries as per-layer copies would, and a
+    layer of another dtype keeps its own buffer."""
+    store = KVStore(rows=2, capacity=8)
+    store.plan(None, 3, first=0)
+    written = []
+    for layer, dtype in enumerate([torch.float32, torch.float32, torch.float64, torch.float32]):
+        keys, values = torch.randn(2, 3, 3, 4, dtype=dtype), torch.randn(2, 3, 3, 4, dtype=dtype)
+        store.update(layer, keys, values)
+        written.append((keys, values))
+    before = [(k.clone(), v.clone()) for k, v in (store._views[layer] for layer in range(4))]
+    assert len(store._groups) == 4
+    store.plan(None, 3, first=3)
+    assert sorted(group.shape[0] for group in store._groups) == [1, 3]
+    same_kind = {store._views[layer][0].untyped_storage().data_ptr() for layer in (0, 1, 3)}
+    assert len(same_kind) == 1
+    for layer in range(4):
+        assert torch.equal(store._views[layer][0], before[layer][0])
+        assert torch.equal(store._views[layer][1], before[layer][1])
+    store.compact(torch.tensor([[2, 0], [1, 2]]), torch.tensor([[0, 1], [0, 1]]))
+    for layer, (keys, values) in enumerate(written):
+        cached_keys, cached_values = store._views[layer]
+        for row, taken in enumerate([[2, 0], [1, 2]]):
+            assert torch.equal(cached_keys[row, :, :2], keys[row, :, taken])
+            assert torch.equal(cached_values[row, :, :2], values[row, :, taken])

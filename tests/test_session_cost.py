@@ -22,10 +22,10 @@ from sjd_core.tools import session_bench
 
 MARGIN = 2
 # (session operations outside the network, cache operations inside it) per forward + keep;
-# pac's keep moves only as many columns as a path holds (a clamp and two slices); with the rows
-# in step the mask's two writes are slice copies (five more view operations than two indexed
-# writes, and about a third of their time)
-PINNED = {"ar": (17, 24), "pac": (48, 24)}
+# pac's keep moves only as many columns as a path holds (a clamp and two slices), one selection
+# and one copy for all layers at once; with the rows in step the mask's two writes are slice
+# copies (five more view operations than two indexed writes, and about a third of their time)
+PINNED = {"ar": (17, 24), "pac": (42, 24)}
 ADVANCE = (6, 24)  # the same for plain autoregression's advance
 
 

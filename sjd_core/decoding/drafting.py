@@ -275,6 +275,10 @@ class Canvas:
     column_targets: torch.Tensor | None = None
     fewest_committed: int = 0  # a lower bound on ``committed`` known on the host (0: unknown)
 
+    def targets_above(self, slot: torch.Tensor) -> torch.Tensor:
+        """(B, n, V) the targets held for the columns of the slots ``slot`` (B, n)."""
+        return take_rows(self.column_targets, flat_rows(slot % self.width, self.width + 1))
+
 
 def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
                    uniforms: torch.Tensor, first: int = 0) -> None:
@@ -322,9 +326,7 @@ def _copies_from_above(rule: str, canvas: Canvas, first: int, window: int,
     offsets = torch.arange(first, window, device=canvas.codes.device)
     slot = canvas.committed[:, None] + offsets
     if rule == "above_target":
-        rows = torch.arange(slot.shape[0], device=slot.device)[:, None]
-        tokens, q = draw_from_target_above(canvas.column_targets[rows, slot % canvas.width],
-                                           uniforms)
+        tokens, q = draw_from_target_above(canvas.targets_above(slot), uniforms)
         return tokens, q, torch.full_like(tokens, ABOVE_TARGET_INIT, dtype=torch.int8)
     tokens = canvas.codes[canvas.row_start[:, None] + slot - canvas.width]
     return (tokens, copy_proposal(tokens, vocab, dtype),
@@ -365,9 +367,7 @@ def _drafts_by_rule(rule: str, state: WindowState, fill: torch.Tensor, canvas: C
             above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)
             if rule == "above_target":
-                column = canvas.column_targets[torch.arange(batch, device=device)[:, None],
-                                               slot % canvas.width]
-                drawn, column = draw_from_target_above(column, uniforms)
+                drawn, column = draw_from_target_above(canvas.targets_above(slot), uniforms)
                 above = torch.where(above_committed, drawn, above)
                 above_q = torch.where(above_committed[..., None], column, above_q)
                 above_source = torch.where(above_committed, ABOVE_TARGET_INIT, ABOVE_INIT)
@@ -454,21 +454,36 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     return fused, history
 
 
-def shift_window(state: WindowState, rows: torch.Tensor, source: torch.Tensor,
-                 in_range: torch.Tensor) -> WindowState:
+def flat_rows(index: torch.Tensor, width: int) -> torch.Tensor:
+    """The (B * n,) positions ``b * width + index[b, j]`` of a per-row ``index`` (B, n) into
+    tensors of shape (B, width, ...) with their first two axes flattened, for :func:`take_rows`."""
+    batch = index.shape[0]
+    return (index + torch.arange(0, batch * width, width, device=index.device)[:, None]).flatten()
+
+
+def take_rows(values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``values[b, index[b, j]]`` (B, n, ...) with ``flat`` from :func:`flat_rows`: one
+    selection of whole entries (each slot's distribution at once), which on a CPU costs less than
+    advanced indexing, and much less with more rows (a gather would read an index per code)."""
+    batch = values.shape[0]
+    return values.flatten(0, 1).index_select(0, flat).view(batch, -1, *values.shape[2:])
+
+
+def shift_window(state: WindowState, source: torch.Tensor, in_range: torch.Tensor) -> WindowState:
     """Move every row's window forward by its commit count: new offset ``j`` of row ``b`` takes
     old offset ``source[b, j]`` (``j`` plus the count, clamped to the window); ``in_range``
     (B, W) marks the offsets that came from inside the old window (the others are new: no
-    draft yet). ``rows`` is (B, 1) ``0 .. B-1``; the caller has all three at hand already.
-    VP's ``vp_known`` is moved as it is: :func:`redraft` keeps only the slots with a target."""
+    draft yet). VP's ``vp_known`` is moved as it is: :func:`redraft` keeps only the slots with
+    a target."""
+    flat = flat_rows(source, source.shape[1])
 
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
-        # indexing copies each slot's whole distribution at once (a gather reads an index per code)
-        return None if x is None else x[rows, source]
+        return None if x is None else take_rows(x, flat)
 
-    return WindowState(take(state.tokens), take(state.q), take(state.source),
-                       take(state.fed) & in_range, take(state.vp_mean), take(state.vp_last),
-                       take(state.vp_rises), take(state.vp_known))
+    return WindowState(state.tokens.gather(1, source), take(state.q), state.source.gather(1, source),
+                       state.fed.gather(1, source) & in_range, take(state.vp_mean),
+                       take(state.vp_last), take(state.vp_rises),
+                       None if state.vp_known is None else state.vp_known.gather(1, source))
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,

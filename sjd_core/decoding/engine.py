@@ -27,7 +27,7 @@ import torch
 from ..messages import quote
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
-    redraft, shift_window
+    flat_rows, redraft, shift_window, take_rows
 from .planner import Plan, describe_shape, make_plan
 from .sampling import RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
@@ -163,11 +163,14 @@ class _Decoder:
         committing = offsets < count[:, None]
         writes = self.row_start[:, None] + torch.where(committing, window_slots, self.slots)
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
-        rows = torch.arange(batch, device=self.device)[:, None]
         if self.column_targets is not None:
-            columns = torch.where(committing, window_slots % self.width, self.width)
-            self.column_targets.scatter_(1, columns[..., None].expand(-1, -1, vocab),
-                                         target[rows, verdict.path])
+            # a column takes the target of its latest committed slot (the last grid row's), so
+            # that no column is written twice; the others go to the spare column
+            latest = committing & (offsets >= (count - self.width)[:, None])
+            columns = torch.where(latest, window_slots % self.width, self.width)
+            self.column_targets.view(-1, vocab).index_copy_(
+                0, flat_rows(columns, self.width + 1),
+                target.flatten(0, 1).index_select(0, flat_rows(verdict.path, tree.size)))
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes,
@@ -184,8 +187,8 @@ class _Decoder:
         new_offsets = offsets + count[:, None]
         has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
         moved_from = new_offsets.clamp_max(window - 1)
-        shifted = shift_window(self.state, rows, moved_from, has_target)
-        stale = target[rows, verdict.path.gather(1, moved_from)]
+        shifted = shift_window(self.state, moved_from, has_target)
+        stale = take_rows(target, flat_rows(verdict.path.gather(1, moved_from), tree.size))
         self.state = redraft(shifted, stale, has_target, settings,
                              uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
         previous = self.done

@@ -39,10 +39,10 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     vocab = logits.shape[-1]
     if 0 < settings.top_k < vocab:
         kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = torch.where(logits >= kth, logits, float("-inf"))
     if settings.top_p < 1.0:
         units = mass_units(torch.softmax(logits, dim=-1))
-        logits = logits.masked_fill(units < nucleus_floor(units, settings.top_p), float("-inf"))
+        logits = torch.where(units >= nucleus_floor(units, settings.top_p), logits, float("-inf"))
     return flush_negligible(torch.softmax(logits, dim=-1))
 
 

@@ -3,6 +3,10 @@
 A layer's storage is one buffer ``(2, rows, heads, capacity, head_dim)``: its keys, then its
 values. It is allocated at the layer's first write, on the device and in the dtype of what the
 layer writes, so layers that an accelerate ``device_map`` runs elsewhere keep their cache there.
+Once the layers have written (at the next ``plan``), :meth:`KVStore.join` moves the layers that
+share a device, dtype and shape into one tensor ``(layers, 2, rows, heads, capacity, head_dim)``,
+whose slices the layers then use, so that moving or selecting entries is one operation for all of
+them instead of one per layer.
 Row ``r`` holds its entries in columns ``0 .. length_r - 1``; columns past that hold stale but
 finite values that the attention mask blocks.
 
@@ -29,17 +33,24 @@ class KVStore:
     def __init__(self, rows: int, capacity: int) -> None:
         self.rows, self.capacity = rows, capacity
         self.width = 0
-        self._buffers: list[torch.Tensor | None] = []  # per layer: (2, rows, heads, capacity, dim)
-        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: its keys, values
+        # the storage: tensors (layers, 2, rows, heads, capacity, dim), and where each layer sits
+        # in them (group, index; None before its first write)
+        self._groups: list[torch.Tensor] = []
+        self._places: list[tuple[int, int] | None] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: keys, values
         self._columns: torch.Tensor | None = None
         self._first: int | None = None  # where every row's new entries start, when rows agree
+        self._apart = False  # whether some layer was allocated since the last join
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def plan(self, columns: torch.Tensor | None, width: int, first: int | None = None) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
         read columns ``0 .. width - 1``. ``first``: when every row writes columns ``first,
         first + 1, ...`` (the caller knows it on the host), so that one slice takes the write
-        (``columns`` may then be None)."""
+        (``columns`` may then be None). Layers first written by the forward before are joined
+        here."""
+        if self._apart:
+            self.join()
         self._columns, self.width, self._first = columns, width, first
         self._write_indices.clear()
 
@@ -57,33 +68,56 @@ class KVStore:
         cached_values[rows, :, columns] = values.transpose(1, 2)
         return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
 
+    def join(self) -> None:
+        """Move the layers held apart that share a device, dtype and shape into one tensor.
+
+        Called once the layers have written (by ``plan``). Each layer is copied in and its own
+        buffer let go before the next, so the cache never needs twice its memory.
+        """
+        self._apart = False
+        apart: dict[tuple, list[int]] = {}
+        for layer, place in enumerate(self._places):
+            if place is not None and self._groups[place[0]].shape[0] == 1:
+                group = self._groups[place[0]]
+                apart.setdefault((group.device, group.dtype, group.shape), []).append(layer)
+        for layers in apart.values():
+            if len(layers) < 2:
+                continue
+            first = self._groups[self._places[layers[0]][0]]
+            joined = first.new_empty((len(layers), *first.shape[1:]))
+            for index, layer in enumerate(layers):
+                group = self._places[layer][0]
+                joined[index] = self._groups[group][0]
+                self._groups[group] = joined  # the layer's own buffer and views are let go
+                self._places[layer] = (group, index)
+                self._views[layer] = (joined[index, 0], joined[index, 1])
+        self._set(self._groups)
+
     def compact(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """In every row, move the entries at columns ``source`` (rows, n) to columns ``target``.
 
-        Each entry moves as a whole (its ``dim`` values at once), one indexed copy per layer.
+        Each entry moves as a whole (its ``dim`` values at once), one indexed copy per group of
+        layers.
         """
         indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for buffer in self._buffers:
-            if buffer is None:
-                continue
-            if buffer.device not in indices:
-                rows = torch.arange(source.shape[0], device=buffer.device)[:, None]
-                indices[buffer.device] = (rows, to_device(source, buffer.device),
-                                          to_device(target, buffer.device))
-            rows, take, put = indices[buffer.device]
-            buffer[:, rows, :, put] = buffer[:, rows, :, take]
+        for group in self._groups:
+            if group.device not in indices:
+                rows = torch.arange(source.shape[0], device=group.device)[:, None]
+                indices[group.device] = (rows, to_device(source, group.device),
+                                         to_device(target, group.device))
+            rows, take, put = indices[group.device]
+            group[:, :, rows, :, put] = group[:, :, rows, :, take]
 
     def compact_columns(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """``compact`` where every row moves the same columns ``source`` (n,) to ``target`` (n,):
-        one selection and one indexed copy per layer over all rows at once."""
-        for buffer in self._buffers:
-            if buffer is not None:
-                buffer.index_copy_(3, to_device(target, buffer.device),
-                                   buffer.index_select(3, to_device(source, buffer.device)))
+        one selection and one indexed copy per group of layers, over all rows at once."""
+        for group in self._groups:
+            group.index_copy_(4, to_device(target, group.device),
+                              group.index_select(4, to_device(source, group.device)))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
-        self._set([None if b is None else b.index_select(1, index if index.device == b.device else index.to(b.device)) for b in self._buffers])
+        self._set([group.index_select(2, to_device(index, group.device)) for group in self._groups])
         self.rows = index.shape[0]
 
     def reserve(self, capacity: int) -> None:
@@ -91,18 +125,24 @@ class KVStore:
         if capacity <= self.capacity:
             return
         grown = []
-        for buffer in self._buffers:
-            if buffer is not None:
-                larger = buffer.new_zeros((*buffer.shape[:3], capacity, buffer.shape[4]))
-                larger[:, :, :, : self.capacity] = buffer
-                buffer = larger
-            grown.append(buffer)
+        for group in self._groups:
+            larger = group.new_zeros((*group.shape[:4], capacity, group.shape[5]))
+            larger[:, :, :, :, : self.capacity] = group
+            grown.append(larger)
         self._set(grown)
         self.capacity = capacity
 
-    def _set(self, buffers: list[torch.Tensor | None]) -> None:
-        self._buffers = buffers
-        self._views = [None if b is None else (b[0], b[1]) for b in buffers]
+    def _set(self, groups: list[torch.Tensor]) -> None:
+        """Use ``groups`` (one tensor per group, some possibly named twice after a join) and
+        point every layer at its slice."""
+        distinct = {id(group): group for group in groups}
+        number = {key: n for n, key in enumerate(distinct)}
+        self._groups = list(distinct.values())
+        self._places = [None if place is None else (number[id(groups[place[0]])], place[1])
+                        for place in self._places]
+        self._views = [None if place is None else
+                       (self._groups[place[0]][place[1], 0], self._groups[place[0]][place[1], 1])
+                       for place in self._places]
 
     def _layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,10 +153,12 @@ class KVStore:
             raise ValueError(f"layer {layer} writes keys {tuple(keys.shape)} {keys.dtype} and "
                              f"values {tuple(values.shape)} {values.dtype}: this cache stores "
                              "keys and values of the same shape and dtype together.")
-        buffers = self._buffers + [None] * (layer + 1 - len(self._buffers))
+        missing = layer + 1 - len(self._places)
+        self._places += [None] * max(0, missing)
         rows, heads, _, dim = keys.shape
-        buffers[layer] = keys.new_zeros((2, rows, heads, self.capacity, dim))
-        self._set(buffers)
+        self._places[layer] = (len(self._groups), 0)
+        self._apart = True
+        self._set(self._groups + [keys.new_zeros((1, 2, rows, heads, self.capacity, dim))])
         return self._views[layer]
 
     def _write_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
