@@ -59,12 +59,12 @@ class MaskBuffer:
         (rows or 1, n, n) mask values say what each of them sees of the others. ``first``: the
         column where every row's tokens start, when the host knows it (a slice is written
         instead of indexed places, which costs less)."""
-        n = columns.shape[2]
+        rows, _, n = columns.shape
         if first is not None:
             self._by_row[:, :n, first:first + n] = block
             return
-        queries, _ = self._range(n)
-        self._by_row[self._rows, queries, columns] = block
+        # a scatter along the columns: on a CPU about a fifth of the time of an indexed write
+        self._by_row[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
 
     def view(self, tokens: int, width: int) -> torch.Tensor:
         """The (rows, 1, tokens, width) mask of a forward feeding ``tokens`` tokens."""
@@ -74,12 +74,12 @@ class MaskBuffer:
         """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
         later query of row ``r``; the rest are blocked. ``first`` as in ``write_block``."""
         n = columns.shape[2]
-        _, offsets = self._range(n)
-        values = self.values(offsets < kept.view(-1, 1, 1))
+        values = self.values(self._offsets(n) < kept.view(-1, 1, 1))
         if first is not None:
             self._by_row[:, :, first:first + n] = values
         else:
-            self._by_row[self._rows, self._every_query, columns] = values
+            queries = self.query_rows
+            self._by_row.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
 
     def open_columns(self, start: int, stop: int) -> None:
         """Open columns ``start .. stop - 1`` of every row to every query row (tokens that every
@@ -113,14 +113,10 @@ class MaskBuffer:
     def _set(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self._by_row = buffer[:, 0]
-        rows, _, queries, _ = buffer.shape
-        self._rows = torch.arange(rows, device=self.device)[:, None, None]
-        self._every_query = torch.arange(queries, device=self.device)[None, :, None]
-        self._ranges: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ranges: dict[int, torch.Tensor] = {}
 
-    def _range(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``0 .. n - 1`` shaped (1, n, 1) (query rows) and (1, 1, n) (offsets), made once per n."""
+    def _offsets(self, n: int) -> torch.Tensor:
+        """``0 .. n - 1`` shaped (1, 1, n), made once per n."""
         if n not in self._ranges:
-            offsets = torch.arange(n, device=self.device)
-            self._ranges[n] = (offsets.view(1, n, 1), offsets.view(1, 1, n))
+            self._ranges[n] = torch.arange(n, device=self.device).view(1, 1, n)
         return self._ranges[n]
