@@ -480,9 +480,9 @@ def shift_window(state: WindowState, source: torch.Tensor, in_range: torch.Tenso
     def take(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else take_rows(x, flat)
 
-    return WindowState(state.tokens.gather(1, source), take(state.q), state.source.gather(1, source),
-                       state.fed.gather(1, source) & in_range, take(state.vp_mean),
-                       take(state.vp_last), take(state.vp_rises),
+    return WindowState(state.tokens.gather(1, source), take(state.q),
+                       state.source.gather(1, source), state.fed.gather(1, source) & in_range,
+                       take(state.vp_mean), take(state.vp_last), take(state.vp_rises),
                        None if state.vp_known is None else state.vp_known.gather(1, source))
 
 
