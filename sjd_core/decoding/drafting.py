@@ -277,7 +277,8 @@ class Canvas:
 
     def targets_above(self, slot: torch.Tensor) -> torch.Tensor:
         """(B, n, V) the targets held for the columns of the slots ``slot`` (B, n)."""
-        return take_rows(self.column_targets, flat_rows(slot % self.width, self.width + 1))
+        columns = self.column_targets.shape[1]  # the grid's columns and a spare one
+        return take_rows(self.column_targets, flat_rows(slot % self.width, columns))
 
 
 def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,

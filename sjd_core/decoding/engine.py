@@ -169,8 +169,8 @@ class _Decoder:
             latest = committing & (offsets >= (count - self.width)[:, None])
             columns = torch.where(latest, window_slots % self.width, self.width)
             self.column_targets.view(-1, vocab).index_copy_(
-                0, flat_rows(columns, self.width + 1),
-                target.flatten(0, 1).index_select(0, flat_rows(verdict.path, tree.size)))
+                0, flat_rows(columns, self.column_targets.shape[1]),
+                take_rows(target, flat_rows(verdict.path, tree.size)).flatten(0, 1))
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
                                      .clamp_max(self.slots))
         self.recorder.committed_slots(self.iteration, writes,
