@@ -23,8 +23,9 @@ MARGIN = 1.05
 # pac+vp: 12 of them check how well VP's rises predicted; top-p's sort runs in numpy on a CPU
 # and is not counted here; the trace lays out its records once, after the last iteration; the
 # window moves by flat selections of whole rows (three cheap operations, two of them views, where
-# one advanced index took several times as long)
-PINNED = {"ar": 29, "pac+vp": 416}
+# one advanced index took several times as long); VP weighs its boosted codes by p^2 / pbar,
+# without a logarithm
+PINNED = {"ar": 29, "pac+vp": 409}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

@@ -19,8 +19,7 @@ import torch
 from .sampling import MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, race_top, residual, sample
 from .settings import AccelerationSettings
 
-_LOG_FLOOR = -69.0  # log(1e-30): keeps growth scores finite where a past probability was 0
-_MEAN_FLOOR = 1e-31  # a normal float whose logarithm (-71.4) is below _LOG_FLOOR
+_MEAN_FLOOR = 1e-30  # past means below count as this: keeps growth finite where a code had 0
 
 
 def uniform_profile(candidates: int, depth: int) -> tuple[int, ...]:
@@ -429,7 +428,8 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
 
     ``S = log p_t - log pbar``; codes among the ``vp_top_k`` most likely whose probability rose
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
-    ``q' = softmax``. ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
+    ``q' = softmax``, computed as the weights ``p_t^2 / pbar`` and ``p_t`` normalised (``pbar`` at
+    least ``_MEAN_FLOOR``). ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
     history already shifted to the new window; ``known`` marks slots that have one, ``updated``
     those that have one after this update (the slots with a target). Returns q' (B, W, V) and
     the state with the updated history.
@@ -438,20 +438,14 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
     rises = torch.where(targets > last, state.vp_rises + 1, 0)  # a new history: last == targets
-    # The logarithm of 0 or of a subnormal float takes a CPU about ten times as long as that of a
-    # normal one, and most codes have probability 0: both logarithms read normal floats only.
-    # Targets are flushed probabilities (0 or >= NEGLIGIBLE), so log_p is log(targets) exactly;
-    # a mean below _MEAN_FLOOR has its logarithm below _LOG_FLOOR either way.
-    log_p = torch.log(targets.clamp_min(NEGLIGIBLE)).masked_fill_(targets == 0.0, float("-inf"))
-    growth = log_p - torch.log(mean.clamp_min(_MEAN_FLOOR)).clamp_min(_LOG_FLOOR)
     top = min(settings.vp_top_k, targets.shape[-1])
     # among the top codes and above 0: a flushed target is 0 or at least NEGLIGIBLE
     kth = torch.topk(targets, top, dim=-1).values[..., -1:].clamp_min(NEGLIGIBLE)
     boosted = (rises >= settings.vp_rises) & (targets >= kth)
-    fused = flush_negligible(torch.softmax(torch.where(boosted, log_p + growth, log_p), dim=-1))
-    decay = settings.vp_decay
+    weights = torch.where(boosted, targets * (targets / mean.clamp_min(_MEAN_FLOOR)), targets)
+    fused = flush_negligible(weights / weights.sum(-1, keepdim=True))
     history = WindowState(state.tokens, state.q, state.source, state.fed,
-                          decay * mean + (1 - decay) * targets, targets, rises, updated)
+                          torch.lerp(targets, mean, settings.vp_decay), targets, rises, updated)
     return fused, history
 
 

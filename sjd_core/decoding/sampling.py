@@ -92,7 +92,7 @@ def _floor_of_sorted(ascending: torch.Tensor, need: int) -> torch.Tensor:
     (0, all codes kept, when the units hold less than ``need`` in all; at most the last
     position, since ``need >= 1``). One search per distribution, no reversal of the order.
     """
-    running = ascending.cumsum(-1)
+    running = ascending.cumsum(-1, dtype=torch.int32)  # at most 2**30 and a little: exact
     position = torch.searchsorted(running, running[..., -1:] - need, right=True)
     return ascending.gather(-1, position)
 
