@@ -428,11 +428,11 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
 
     ``S = log p_t - log pbar``; codes among the ``vp_top_k`` most likely whose probability rose
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
-    ``q' = softmax``, computed as the weights ``p_t^2 / pbar`` and ``p_t`` normalised (``pbar`` at
-    least ``_MEAN_FLOOR``). ``pbar`` is then updated with weight ``1 - vp_decay``. ``state`` holds the
-    history already shifted to the new window; ``known`` marks slots that have one, ``updated``
-    those that have one after this update (the slots with a target). Returns q' (B, W, V) and
-    the state with the updated history.
+    ``q' = softmax``, computed as the weights ``p_t^2 / pbar`` and ``p_t`` normalised (``pbar``
+    at least ``_MEAN_FLOOR``). ``pbar`` is then updated with weight ``1 - vp_decay``. ``state``
+    holds the history already shifted to the new window; ``known`` marks slots that have one,
+    ``updated`` those that have one after this update (the slots with a target). Returns q'
+    (B, W, V) and the state with the updated history.
     """
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
