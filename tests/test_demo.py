@@ -12,7 +12,7 @@ from PIL import Image
 
 from sjd_core.decoding.settings import DEFAULT_PRESET, AccelerationSettings
 from sjd_core.tools import bench, demo
-from sjd_core.tools.cli import default_threads
+from sjd_core.tools.cli import ImageProgress, default_threads
 from sjd_core.tools.reference import benchmark
 from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
                                    committed_together, heatmap, histogram_figure, image_grid,
@@ -105,6 +105,21 @@ def test_help_answers_without_importing_torch(module):
     assert out.stdout.strip().endswith("False"), "torch was imported to print --help"
     assert "usage: python -m " in out.stdout
     assert seconds < 2.0, f"{module} --help took {seconds:.1f} s"
+
+
+def test_the_progress_bar_draws_at_most_every_refresh_and_always_the_end(capsys, monkeypatch):
+    from sjd_core.decoding.engine import IterationReport
+
+    clock = iter([0.0, 0.05, 0.1, 0.25, 0.3, 0.31])  # one report per iteration, these times
+    monkeypatch.setattr("sjd_core.tools.cli.time.monotonic", lambda: next(clock))
+    bar, drawn = ImageProgress("test"), []
+    for committed in (10, 20, 30, 40, 50, 64):
+        bar(IterationReport(0, [committed], [10], 64, None, "chain 16"))
+        drawn.append(None if bar.bar is None else bar.bar.n)
+    # the first report opens the bar, the next ones within 0.2 s are skipped, 0.25 s draws and
+    # the last report (all codes) draws and closes it
+    assert drawn == [10, 10, 10, 40, 40, None]
+    assert "test: 100%" in capsys.readouterr().err.replace("\r", "\n")
 
 
 def test_benchmarks_show_a_progress_bar_per_image(capsys, tmp_path):

@@ -360,9 +360,10 @@ def test_presets_name_their_modes():
 
 
 def test_vp_counts_how_often_a_rise_predicted_the_committed_code(model, monkeypatch):
-    """The trace of a VP run counts, over committed slots with a history, the slots whose
-    committed code had risen N times in a row, those where some code had, and those where the
-    likeliest riser was committed; checked here against the same counts made slot by slot."""
+    """Asked to, the trace of a VP run counts, over committed slots with a history, the slots
+    whose committed code had risen N times in a row, those where some code had, and those where
+    the likeliest riser was committed; checked here against the same counts made slot by slot.
+    Unasked, it counts nothing and draws the same codes."""
     import sjd_core.decoding.engine as engine_module
 
     seen = []
@@ -381,13 +382,17 @@ def test_vp_counts_how_often_a_rise_predicted_the_committed_code(model, monkeypa
 
     monkeypatch.setattr(engine_module._Decoder, "_count_rises", by_slot)
     settings = AccelerationSettings.preset("pac+vp", vp_rises=1)
-    result = generate(model, GenerationRequest(prompt="a", batch_size=2), SamplingSettings(),
-                      settings, seed=4)
+    request = GenerationRequest(prompt="a", batch_size=2)
+    result = generate(model, request, SamplingSettings(), settings, seed=4, count_vp_rises=True)
     counts = result.trace.summary()["vp_rises"]
     assert list(counts.values()) == [int(x) for x in np.sum(seen, axis=0)], counts
     assert counts["slots"] > 50 and 0 < counts["committed_code_rose"] <= counts["some_code_rose"]
+    calls = len(seen)
+    unasked = generate(model, request, SamplingSettings(), settings, seed=4)
+    assert len(seen) == calls and unasked.trace.summary()["vp_rises"] == {}
+    assert torch.equal(unasked.codes, result.codes)
     plain = generate(model, GenerationRequest(prompt="a"), SamplingSettings(),
-                     AccelerationSettings.preset("pac"), seed=4)
+                     AccelerationSettings.preset("pac"), seed=4, count_vp_rises=True)
     assert plain.trace.summary()["vp_rises"] == {}
 
 

@@ -210,6 +210,20 @@ def test_nucleus_floor_on_the_cpu_and_on_a_device_agree(rows, vocab):
     assert (units == units[:, :1]).sum() > rows  # ties were there
 
 
+@pytest.mark.parametrize("shape", [(3, 12), (34, 512), (2, 16, 512)])
+def test_kth_largest_is_topk_s_last_value_on_both_paths(shape):
+    """top-k's threshold and VP's top codes: numpy's partition (many float32 distributions on a
+    CPU) and torch's topk (any other case) give the same value, with ties and -inf."""
+    generator = torch.Generator().manual_seed(shape[-1])
+    values = (torch.randn(shape, generator=generator) * 3).half().float()  # many ties
+    values[..., : shape[-1] // 4] = float("-inf")
+    for k in (1, 5, 50, shape[-1]):
+        k = min(k, shape[-1])
+        want = torch.topk(values, k, dim=-1).values[..., -1:]
+        assert torch.equal(sampling.kth_largest(values, k), want), k
+    assert (values.numel() > sampling._SORTED_BY_TORCH) == (shape[-1] == 512)  # both paths
+
+
 def test_top_p_reads_the_tempered_distribution():
     """Temperature comes before top-p: at 0.5 the top code alone holds 0.87 of the mass, so
     top_p = 0.85 keeps it alone (untempered it holds 0.67 and would need a second code)."""
@@ -489,7 +503,9 @@ def uneven_tree_reads_the_level_above(monkeypatch):
         if len(set(profile)) < 2:
             return tree
         deeper = (tree.depth >= 2) & (tree.depth <= tree.tree_levels)
-        return replace(tree, flat_source=torch.where(deeper, tree.flat_source - tree.branching,
+        # a level's first candidates are window drafts, one apart; its others K - 1 apart
+        step = torch.where(tree.flat_source < tree.window, 1, tree.branching - 1)
+        return replace(tree, flat_source=torch.where(deeper, tree.flat_source - step,
                                                      tree.flat_source))
 
     monkeypatch.setattr(DraftTree, "build", staticmethod(build))

@@ -16,7 +16,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from .sampling import MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, race_top, residual, sample
+from .sampling import (MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, kth_largest, race_top,
+                       residual, sample)
 from .settings import AccelerationSettings
 
 _MEAN_FLOOR = 1e-30  # past means below count as this: keeps growth finite where a code had 0
@@ -62,7 +63,7 @@ class DraftTree:
     branching: int  # the most candidates of any level (1 for a chain)
     parent: torch.Tensor  # (T,) -1 for the root
     depth: torch.Tensor  # (T,)
-    flat_source: torch.Tensor  # (T,) index into [tree candidates flattened, window tokens]
+    flat_source: torch.Tensor  # (T,) index into [window drafts, further candidates flattened]
     children: torch.Tensor  # (T, branching) child node ids, -1 where absent
     ancestors: torch.Tensor  # (T, T) bool, ancestors and self
     host_ancestors: np.ndarray  # the same on the host, for sessions (no read back)
@@ -142,11 +143,10 @@ class DraftTree:
                              "than at the one before, and fewer levels than the window")
         levels = len(profile)
         branching = max(profile, default=1)
-        parent, depth, source = [-1], [0], [-1]
+        parent, depth, source = [-1], [0], [0]
         children: list[list[int]] = [[]]
         level_nodes = [0]
         main = [0]
-        tree_slots = levels * branching
         for d in range(1, window):
             new_level = []
             parents = level_nodes if d <= levels else [main[-1]]
@@ -155,8 +155,9 @@ class DraftTree:
                     node = len(parent)
                     parent.append(p)
                     depth.append(d)
-                    source.append((d - 1) * branching + rank if d <= levels
-                                  else tree_slots + d - 1)
+                    # a first candidate is the window's draft; the others follow the window
+                    source.append(d - 1 if rank == 0
+                                  else window + (d - 1) * (branching - 1) + rank - 1)
                     children.append([])
                     children[p].append(node)
                     new_level.append(node)
@@ -195,7 +196,7 @@ class DraftTree:
             return torch.as_tensor(np.asarray(values, dtype=dtype), device=device)
 
         return DraftTree(window, profile, levels, branching, on_device(parent), on_device(depth),
-                         on_device(np.maximum(source, 0)), on_device(child_table),
+                         on_device(source), on_device(child_table),
                          on_device(ancestors, bool), ancestors, on_device(route),
                          on_device(inner), on_device(inner_index))
 
@@ -401,22 +402,19 @@ def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | No
     """
     batch = state.tokens.shape[0]
     fed = state.tokens[:, : tree.window]
+    flat_tokens, flat_source = fed, state.source[:, : tree.window]
+    flat_valid = torch.ones_like(fed, dtype=torch.bool)
     if tree.tree_levels:
         levels = tree.tree_levels
         first = fed[:, :levels]
         rest = state.q[:, :levels].scatter(-1, first[..., None], 0.0)
         others = race_top(rest, noise, tree.branching - 1)
-        candidates = torch.cat([first[..., None], others], dim=-1)
         usable = (rest.gather(-1, others) > MIN_MASS).to(torch.int8).cumprod(-1).bool()
-        valid = torch.cat([torch.ones_like(first[..., None], dtype=torch.bool), usable], dim=-1)
-        sibling = torch.full_like(others, PD_SIBLING, dtype=torch.int8)
-        kinds = torch.cat([state.source[:, :levels, None], sibling], dim=-1)
-        flat_tokens = torch.cat([candidates.flatten(1), fed], dim=1)
-        flat_valid = torch.cat([valid.flatten(1), torch.ones_like(fed, dtype=torch.bool)], 1)
-        flat_source = torch.cat([kinds.flatten(1), state.source[:, : tree.window]], dim=1)
-    else:
-        flat_tokens, flat_source = fed, state.source[:, : tree.window]
-        flat_valid = torch.ones_like(fed, dtype=torch.bool)
+        siblings = others.flatten(1)
+        flat_tokens = torch.cat([fed, siblings], dim=1)
+        flat_valid = torch.cat([flat_valid, usable.flatten(1)], dim=1)
+        flat_source = torch.cat([flat_source, torch.full_like(siblings, PD_SIBLING,
+                                                              dtype=torch.int8)], dim=1)
     source = tree.flat_source.expand(batch, -1)
     return flat_tokens.gather(1, source), flat_valid.gather(1, source), flat_source.gather(1, source)
 
@@ -440,7 +438,7 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     rises = torch.where(targets > last, state.vp_rises + 1, 0)  # a new history: last == targets
     top = min(settings.vp_top_k, targets.shape[-1])
     # among the top codes and above 0: a flushed target is 0 or at least NEGLIGIBLE
-    kth = torch.topk(targets, top, dim=-1).values[..., -1:].clamp_min(NEGLIGIBLE)
+    kth = kth_largest(targets, top).clamp_min(NEGLIGIBLE)
     boosted = (rises >= settings.vp_rises) & (targets >= kth)
     weights = torch.where(boosted, targets * (targets / mean.clamp_min(_MEAN_FLOOR)), targets)
     fused = flush_negligible(weights / weights.sum(-1, keepdim=True))

@@ -77,7 +77,8 @@ class _Decoder:
     """
 
     def __init__(self, model: ImageTokenModel, session: DecodingSession, sampling: SamplingSettings,
-                 acceleration: AccelerationSettings, seed: int, device: torch.device) -> None:
+                 acceleration: AccelerationSettings, seed: int, device: torch.device,
+                 count_vp_rises: bool = False) -> None:
         batch = session.batch_size
         self.session, self.sampling, self.acceleration = session, sampling, acceleration
         self.height, self.width = session.grid_height, session.grid_width
@@ -89,6 +90,7 @@ class _Decoder:
         self.random = RowRandom([seed + row for row in range(batch)], device)
         self.recorder = TraceRecorder(batch, self.slots, device)
         self.codes = torch.zeros(batch * self.stride, dtype=torch.long, device=device)
+        self.grids = self.codes.view(batch, self.stride)[:, :self.slots]  # every image's codes
         self.committed = torch.zeros(batch, dtype=torch.long, device=device)
         self.done = [0] * batch  # host copy of ``committed``
         self.anchor = torch.zeros(batch, dtype=torch.long, device=device)
@@ -101,6 +103,7 @@ class _Decoder:
                                if acceleration.init == "above_target" else None)
         self.iteration = 0
         self.siblings = (0, 0)  # PD candidates 2..K tested and passed in the last iteration
+        self.count_vp_rises = count_vp_rises and acceleration.verification_prediction
 
     # ------------------------------------------------------------------ steps
     def autoregressive_step(self) -> list[int]:
@@ -176,7 +179,7 @@ class _Decoder:
         self.recorder.committed_slots(self.iteration, writes,
                                       target.amax(-1).gather(1, verdict.path), verdict.kinds,
                                       verdict.probability, sources)
-        if settings.verification_prediction:
+        if self.count_vp_rises:
             self._count_rises(verdict.tokens, committing)
 
         on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == tree.node_ids
@@ -210,8 +213,10 @@ class _Decoder:
         rises = self.state.vp_rises[:, :fed] >= self.acceleration.vp_rises
         counted = valid & self.state.vp_known[:, :fed]
         rose = rises.gather(-1, committed[..., None]).squeeze(-1)
-        likeliest = torch.where(rises, self.state.vp_last[:, :fed], -1.0).argmax(-1)
-        self.recorder.count_rises(counted, rose, rises.any(-1), likeliest == committed)
+        # probabilities are >= 0, so the largest is -1 only where no code rose
+        likeliest = torch.where(rises, self.state.vp_last[:, :fed], -1.0).max(-1)
+        self.recorder.count_rises(counted, rose, likeliest.values >= 0,
+                                  likeliest.indices == committed)
 
     def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
         canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
@@ -244,8 +249,7 @@ class _Decoder:
         committed, gained = [self.slots] * batch, [0] * batch
         for i, row in enumerate(self.rows):
             committed[row], gained[row] = self.done[i], accepted[i]
-        return IterationReport(self.iteration, committed, gained, self.slots,
-                               self.codes.view(batch, self.stride)[:, :self.slots], shape)
+        return IterationReport(self.iteration, committed, gained, self.slots, self.grids, shape)
 
 
 FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say
@@ -289,11 +293,14 @@ def check_batch(batch: int, nodes: int, window: int, vocab: int, guided: bool, h
 @torch.inference_mode()
 def generate(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
              acceleration: AccelerationSettings, seed: int,
-             on_iteration: Callable[[IterationReport], None] | None = None) -> GenerationResult:
+             on_iteration: Callable[[IterationReport], None] | None = None,
+             count_vp_rises: bool = False) -> GenerationResult:
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
-    propagates; the model itself is left usable). Runs in inference mode (no autograd and no
+    propagates; the model itself is left usable). ``count_vp_rises`` also counts, with VP, how
+    well its rises predicted the committed codes (the trace's ``vp_rises``: a dozen operations
+    per iteration, for the reference benchmark). Runs in inference mode (no autograd and no
     version counts, which makes each small tensor operation cheaper). Before the prefill it
     refuses (ValueError) a bad seed, batch size or prompt type, more PD candidates than the
     codebook has codes, and a batch whose decoding state would not fit in the device's memory.
@@ -307,7 +314,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     check_batch(request.batch_size, plan.max_nodes, acceleration.window, model.codebook_size,
                 sampling.guidance != 1.0, acceleration.verification_prediction, device)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
-    decoder = _Decoder(model, session, sampling, acceleration, seed, device)
+    decoder = _Decoder(model, session, sampling, acceleration, seed, device, count_vp_rises)
     marks.append(decoder.recorder.clock)
     while decoder.rows:
         tree = plan.choose()
@@ -332,5 +339,4 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
-    codes = decoder.codes.view(-1, decoder.stride)[:, :decoder.slots]
-    return GenerationResult(codes.reshape(-1, decoder.height, decoder.width).cpu(), trace)
+    return GenerationResult(decoder.grids.reshape(-1, decoder.height, decoder.width).cpu(), trace)

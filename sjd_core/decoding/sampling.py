@@ -38,7 +38,7 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
         logits = logits / settings.temperature
     vocab = logits.shape[-1]
     if 0 < settings.top_k < vocab:
-        kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
+        kth = kth_largest(logits, settings.top_k)
         logits = torch.where(logits >= kth, logits, float("-inf"))
     if settings.top_p < 1.0:
         units = mass_units(torch.softmax(logits, dim=-1))
@@ -81,6 +81,18 @@ def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 _SORTED_BY_TORCH = 4096  # codes over all distributions
+
+
+def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest of ``values`` along the last axis (..., 1), equal values counted
+    apart: what ``torch.topk(values, k).values[..., -1:]`` gives. On a CPU, for more than a few
+    float32 distributions, numpy's partition finds it in about two thirds of topk's time (one
+    selection, and no order among the largest)."""
+    if values.device.type != "cpu" or values.numel() <= _SORTED_BY_TORCH \
+            or values.dtype != torch.float32:
+        return torch.topk(values, k, dim=-1).values[..., -1:]
+    position = values.shape[-1] - k
+    return torch.from_numpy(np.partition(values.numpy(), position, axis=-1)[..., position:position + 1])
 
 
 def _floor_of_sorted(ascending: torch.Tensor, need: int) -> torch.Tensor:

@@ -185,7 +185,8 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
     rest of the procedure, is distributed as ``p_k``. By induction from k = K down (where the
     remainder is a plain draw from ``p_{K+1}``), the child taken is distributed as ``p_1 = p``.
 
-    Here ``p``/``q`` are step k's distributions (``q`` only for rules that read all of it),
+    Here ``p``/``q`` are step k's distributions (``p`` only for relaxed rules, ``q`` only for
+    rules that read all of it; None otherwise),
     ``x``/``live`` the candidate and whether it exists and is still in play, ``u`` its uniform in
     (0, 1], and ``p_x``/``q_x`` the masses ``p_k(x)``/``q_k(x)``. ``rule`` may enlarge the two
     masses (relaxed acceptance); the exact rule leaves them as they are.
@@ -195,17 +196,6 @@ def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tens
     probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
     relaxed = accept & ~(u * q_x <= p_x) if rule.relaxes else None
     return _Test(accept, relaxed, probability)
-
-
-def without_candidate(q: torch.Tensor, x: torch.Tensor, q_x: torch.Tensor,
-                      rejected: torch.Tensor) -> torch.Tensor:
-    """``q_{k+1}``: ``q`` without the rejected candidate ``x`` (of mass ``q_x``), renormalised
-    by the mass left (``q`` sums to 1); ``q`` itself where ``x`` was not rejected, or where
-    nothing is left. ``x``, ``q_x`` and ``rejected`` have ``q``'s leading shape and a last
-    axis of 1."""
-    left = 1.0 - q_x
-    keep = rejected & (left > MIN_MASS)
-    return torch.where(keep, q.scatter(-1, x, 0.0) / left.clamp_min(MIN_MASS), q)
 
 
 def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +233,7 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     later = sibling_tests = rank = None
     if tree.branching > 1:
         later = _later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms,
-                                  first, q_x, count_siblings)
+                                  first, count_siblings)
         rank, sibling_tests = later.rank, later.sibling_tests
         chosen.index_copy_(1, tree.inner_nodes, later.chosen)
         taken.index_copy_(1, tree.inner_nodes, later.taken)
@@ -273,9 +263,10 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
         inner_end = at_inner >= 0
         at_inner = at_inner.clamp_min(0)
         at_inner_v = at_inner[..., None].expand(-1, -1, vocab)
-        end_p = torch.where(inner_end[..., None], later.last_p.gather(1, at_inner_v), end_p)
-        end_q = torch.where(inner_end[..., None], later.last_q.gather(1, at_inner_v), end_q)
-        end_rejected = torch.where(inner_end, later.last_live.gather(1, at_inner), end_rejected)
+        # there the rejections are already subtracted: the draw normalises what they left
+        end_p = torch.where(inner_end[..., None], later.left_over.gather(1, at_inner_v), end_p)
+        end_q = end_q * ~inner_end[..., None]
+        end_rejected = end_rejected | inner_end
     final_token = sample(residual(end_p[:, 0], end_q[:, 0], end_rejected), final_uniform)
 
     offsets = tree.offsets
@@ -302,49 +293,65 @@ class _LaterCandidates:
     relaxed: torch.Tensor | None  # accepted only because the rule is relaxed
     sibling_tests: torch.Tensor | None  # candidates 2..K tested (those before the accepted
     # one); None when not asked for
-    # where no candidate passed the slot is drawn from residual(last_p, last_q) if the last
-    # candidate was live (and so rejected), else from last_p
-    last_p: torch.Tensor  # (B, I, V) p_K
-    last_q: torch.Tensor  # (B, I, V) q_K
-    last_live: torch.Tensor  # whether candidate K was live
+    left_over: torch.Tensor  # (B, I, V) what every live candidate's rejection left of the
+    # target, not normalised: where no candidate passed, the slot is drawn from it
 
 
 def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
                       node_tokens: torch.Tensor, node_valid: torch.Tensor,
-                      uniforms: torch.Tensor, first: _Test, first_q_x: torch.Tensor,
-                      count_siblings: bool) -> _LaterCandidates:
+                      uniforms: torch.Tensor, first: _Test, count_siblings: bool
+                      ) -> _LaterCandidates:
     """Recursive rejection at every inner node, candidates 2..K tested in one call.
 
     Candidate k is only reached after 1..k-1 were rejected, so its distributions are
     ``p_k``/``q_k`` of that chain of rejections whatever the tests said: they are built for every
     inner node (a live candidate always counts as rejected; where an earlier one passed, the
     values are never read), then all K - 1 tests run at once and each node takes its first
-    passing candidate. Candidates are live up to a point (a prefix), so the chain stops there.
+    passing candidate.
+
+    The chain is kept as unnormalised weights ``r_k = s_k * p_k`` (``s_k`` their sum, ``r_1 =
+    p``): ``r_{k+1} = max(0, r_k - (s_k / left_k) * q)``, with ``left_k`` the draft mass of the
+    candidates not yet drawn. ``q`` need not lose the drawn candidates: a candidate the exact
+    rule rejected has ``p_k(x) < q_k(x)``, so its weight is 0 from then on, and subtracting more
+    there changes nothing (the same holds for LANTERN, whose masses only add target mass; GSD,
+    which reads ``q_k`` whole and can reject a code that ``p`` favours, removes them). Where a
+    candidate is not live the factor is 0 and the weights stay as they were (candidates are live
+    up to a point, so the chain stops there); after the last candidate they are what the slot is
+    drawn from when none passed.
     """
     inner = tree.inner_nodes
     batch, (count, branching) = p.shape[0], tree.inner_children.shape
     kids = tree.inner_children.flatten()
     candidates = node_tokens.index_select(1, kids).view(batch, count, branching)
     live = tree.inner_child_exists & node_valid.index_select(1, kids).view(batch, count, branching)
-    p_k, q_k = p.index_select(1, inner), q_nodes.index_select(1, inner)
-    # (B, I, K, 1) and (B, I, 1): each candidate k's values with the trailing axis the
-    # distributions' operations take
-    candidate_at, live_at = candidates[..., None], live[..., None]
-    q_x = first_q_x.index_select(1, inner)[..., None]
-    targets, drafts, draft_masses = [], [], []
-    for k in range(1, branching):
-        rejected = live_at[..., k - 1, :]
-        p_k = residual(p_k, q_k, rejected)
-        q_k = without_candidate(q_k, candidate_at[..., k - 1, :], q_x, rejected)
-        q_x = q_k.gather(-1, candidate_at[..., k, :])
-        targets.append(p_k)
-        drafts.append(q_k)
-        draft_masses.append(q_x)
-    p_later = torch.stack(targets, dim=2)  # (B, I, K - 1, V)
+    weights, draft = p.index_select(1, inner), q_nodes.index_select(1, inner)
+    draft_at = draft.gather(-1, candidates)  # (B, I, K) q(x_k)
+    # (B, I, K) the draft mass left for candidate k: 1 - q(x_1) - ... - q(x_{k-1})
+    left = (draft_at - draft_at.cumsum(-1)).add_(1.0).clamp_min_(MIN_MASS)
+    factor = live / left  # r_k's sum times this scales q to q_k (0 where not live)
+    # (B, I, 1) views per candidate, made in one operation each
+    factors, candidate_at = factor[..., None].unbind(2), candidates[..., None].unbind(2)
+    mass = None  # s_1 = 1
+    target_weights, sums, targets, drafts = [], [], [], []
+    for k in range(branching):
+        scale = factors[k] if mass is None else factors[k] * mass
+        weights = torch.addcmul(weights, draft, scale, value=-1.0).clamp_min_(0.0)
+        mass = weights.sum(-1, keepdim=True)
+        if rule.uses_q:
+            draft = draft.scatter(-1, candidate_at[k], 0.0)
+        if k + 1 < branching:
+            target_weights.append(weights.gather(-1, candidate_at[k + 1]))
+            sums.append(mass)
+            if rule.relaxes:
+                targets.append(weights / mass.clamp_min(MIN_MASS))
+            if rule.uses_q:
+                drafts.append(draft / left[..., k + 1:k + 2])
     x_later = candidates[..., 1:]
-    test = check_candidate(rule, p_later, torch.stack(drafts, dim=2) if rule.uses_q else None,
+    test = check_candidate(rule, torch.stack(targets, dim=2) if rule.relaxes else None,
+                           torch.stack(drafts, dim=2) if rule.uses_q else None,
                            x_later, live[..., 1:], uniforms.index_select(1, inner)[..., 1:],
-                           _masses(p_later, x_later), torch.cat(draft_masses, dim=-1))
+                           torch.cat(target_weights, -1) / torch.cat(sums, -1).clamp_min_(MIN_MASS),
+                           (draft_at / left)[..., 1:])
     first_accepted = first.accept.index_select(1, inner)
     passed = test.accept & ~first_accepted[..., None]
     later = passed.to(torch.int8).argmax(-1, keepdim=True)  # the first passing one (K - 1 if none)
@@ -360,4 +367,4 @@ def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Ten
                    | (any_passed & test.relaxed.gather(-1, later)[..., 0]))
     sibling_tests = (torch.where(rank > 0, rank, live[..., 1:].sum(-1)) * ~first_accepted
                      if count_siblings else None)
-    return _LaterCandidates(chosen, rank, taken, relaxed, sibling_tests, p_k, q_k, live[..., -1])
+    return _LaterCandidates(chosen, rank, taken, relaxed, sibling_tests, weights)

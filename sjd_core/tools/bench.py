@@ -61,33 +61,35 @@ class ModeTimes:
 
 
 def timed(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
-          acceleration: AccelerationSettings, seed: int):
+          acceleration: AccelerationSettings, seed: int, count_vp_rises: bool = False):
     """``generate`` with a progress bar; returns the result and its wall-clock seconds."""
     from ..decoding.engine import generate
 
     bar = ImageProgress(f"{acceleration.mode_name} {request.prompt!r} seed {seed}")
     start = time.perf_counter()
     try:
-        result = generate(model, request, sampling, acceleration, seed=seed, on_iteration=bar)
+        result = generate(model, request, sampling, acceleration, seed=seed, on_iteration=bar,
+                          count_vp_rises=count_vp_rises)
     finally:
         bar.close()
     return result, time.perf_counter() - start
 
 
 def measure(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
-            acceleration: AccelerationSettings, seeds: Sequence[int]) -> dict:
+            acceleration: AccelerationSettings, seeds: Sequence[int],
+            count_vp_rises: bool = False) -> dict:
     """Generate one batch per seed and time the whole calls.
 
     Returns codes (N, H, W), wall ``seconds`` (prefill and set-up included), ``forward_share``
     of that time spent in the network, and the mean NFE, step compression and accepted length
-    over the images.
+    over the images. ``count_vp_rises`` as in ``generate`` (its work is timed with the rest).
     """
     import numpy as np
     import torch
 
     codes, summaries, seconds = [], [], 0.0
     for seed in seeds:
-        result, spent = timed(model, request, sampling, acceleration, seed)
+        result, spent = timed(model, request, sampling, acceleration, seed, count_vp_rises)
         seconds += spent
         codes.append(result.codes)
         summaries.append(result.trace.summary())

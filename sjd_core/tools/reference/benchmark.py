@@ -139,10 +139,12 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
     measured: dict[str, list[dict]] = {label: [] for label, _ in settings}
     # The modes take turns, class by class, so that a change in the machine's load during the
     # run reaches every mode alike and the speed-ups stay comparable.
+    # VP's rows also count how well its rises predicted (a dozen operations an iteration, in
+    # their time)
     for c, name in enumerate(classes):
         for label, acceleration in settings:
             measured[label].append(measure(model, GenerationRequest(prompt=name), sampling,
-                                           acceleration, seeds[c]))
+                                           acceleration, seeds[c], count_vp_rises=True))
         print(f"  measured every mode on {name}", flush=True)
     rows, ar_features = [], None
     for label, acceleration in settings:
