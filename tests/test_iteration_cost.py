@@ -25,8 +25,9 @@ MARGIN = 1.05
 # operations, two of them views, where one advanced index took several times as long); VP weighs
 # its boosted codes by p^2 / pbar, without a logarithm, and counts how well its rises predicted
 # only when asked; the tree's later candidates carry their residuals as weights that are not
-# normalised, with no selection; the progress report hands out a view made once
-PINNED = {"ar": 27, "pac+vp": 361}
+# normalised, with no selection; the progress report hands out a view made once; VP's history is
+# one tensor, moved by one selection and updated in place
+PINNED = {"ar": 27, "pac+vp": 356}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

@@ -218,27 +218,41 @@ class WindowState:
     q: torch.Tensor  # (B, W, V) what each draft was drawn from
     source: torch.Tensor  # (B, W) int8, how each draft was made (DRAFT_SOURCES)
     fed: torch.Tensor  # (B, W) bool, whether the slot has had a target (its draft is not an init)
-    vp_mean: torch.Tensor | None = None  # (B, W, V) exponentially weighted past distributions
-    vp_last: torch.Tensor | None = None  # (B, W, V) last iteration's distribution
-    vp_rises: torch.Tensor | None = None  # (B, W, V) consecutive rises per code
+    # (B, W, 3, V) VP's history of each slot, one tensor so that the window moves it at once:
+    # the views vp_mean, vp_last and vp_rises
+    vp_history: torch.Tensor | None = None
     vp_known: torch.Tensor | None = None  # (B, W) whether the slot has a history yet
+
+    @property
+    def vp_mean(self) -> torch.Tensor:
+        """(B, W, V) the exponentially weighted past distributions."""
+        return self.vp_history[:, :, 0]
+
+    @property
+    def vp_last(self) -> torch.Tensor:
+        """(B, W, V) the last iteration's distribution."""
+        return self.vp_history[:, :, 1]
+
+    @property
+    def vp_rises(self) -> torch.Tensor:
+        """(B, W, V) consecutive rises per code (whole numbers, in float32)."""
+        return self.vp_history[:, :, 2]
 
     @staticmethod
     def empty(batch: int, window: int, vocab: int, device: torch.device,
               verification_prediction: bool) -> "WindowState":
         """A window with no drafts yet (every slot is filled by the init rule)."""
-        zeros = torch.zeros(batch, window, vocab, device=device)
-        history = ((zeros.clone(), zeros.clone(), torch.zeros_like(zeros, dtype=torch.int32),
+        history = ((torch.zeros(batch, window, 3, vocab, device=device),
                     torch.zeros(batch, window, dtype=torch.bool, device=device))
                    if verification_prediction else ())
-        return WindowState(torch.zeros(batch, window, dtype=torch.long, device=device), zeros,
+        return WindowState(torch.zeros(batch, window, dtype=torch.long, device=device),
+                           torch.zeros(batch, window, vocab, device=device),
                            torch.zeros(batch, window, dtype=torch.int8, device=device),
                            torch.zeros(batch, window, dtype=torch.bool, device=device), *history)
 
     def parts(self) -> tuple[torch.Tensor | None, ...]:
         """The fields in order (None for the VP history when VP is off)."""
-        return (self.tokens, self.q, self.source, self.fed, self.vp_mean, self.vp_last,
-                self.vp_rises, self.vp_known)
+        return (self.tokens, self.q, self.source, self.fed, self.vp_history, self.vp_known)
 
     def resized(self, window: int) -> "WindowState":
         """The state for a window of ``window`` offsets: offsets past it are dropped (their
@@ -248,7 +262,7 @@ class WindowState:
             return WindowState(*(None if x is None else x[:, :window] for x in self.parts()))
         batch, _, vocab = self.q.shape
         added = WindowState.empty(batch, window - have, vocab, self.q.device,
-                                  self.vp_mean is not None)
+                                  self.vp_history is not None)
         return WindowState(*(None if x is None else torch.cat([x, y], dim=1)
                              for x, y in zip(self.parts(), added.parts())))
 
@@ -420,31 +434,32 @@ def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | No
 
 
 def predict_verification(targets: torch.Tensor, state: WindowState, known: torch.Tensor,
-                         updated: torch.Tensor, settings: AccelerationSettings
-                         ) -> tuple[torch.Tensor, WindowState]:
+                         updated: torch.Tensor, settings: AccelerationSettings) -> torch.Tensor:
     """SJD-VP: bias each slot's draft distribution towards codes whose probability keeps rising.
 
     ``S = log p_t - log pbar``; codes among the ``vp_top_k`` most likely whose probability rose
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
     ``q' = softmax``, computed as the weights ``p_t^2 / pbar`` and ``p_t`` normalised (``pbar``
     at least ``_MEAN_FLOOR``). ``pbar`` is then updated with weight ``1 - vp_decay``. ``state``
-    holds the history already shifted to the new window; ``known`` marks slots that have one,
-    ``updated`` those that have one after this update (the slots with a target). Returns q'
-    (B, W, V) and the state with the updated history.
+    holds the history already shifted to the new window (a tensor of its own, which this updates
+    in place); ``known`` marks slots that have one, ``updated`` those that have one after this
+    update (the slots with a target). Returns q' (B, W, V).
     """
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
-    rises = torch.where(targets > last, state.vp_rises + 1, 0)  # a new history: last == targets
+    # a new history has last == targets: no rise
+    rises = torch.mul(state.vp_rises + 1, targets > last, out=state.vp_rises)
     top = min(settings.vp_top_k, targets.shape[-1])
     # among the top codes and above 0: a flushed target is 0 or at least NEGLIGIBLE
     kth = kth_largest(targets, top).clamp_min(NEGLIGIBLE)
     boosted = (rises >= settings.vp_rises) & (targets >= kth)
     weights = torch.where(boosted, targets * (targets / mean.clamp_min(_MEAN_FLOOR)), targets)
     fused = flush_negligible(weights / weights.sum(-1, keepdim=True))
-    history = WindowState(state.tokens, state.q, state.source, state.fed,
-                          torch.lerp(targets, mean, settings.vp_decay), targets, rises, updated)
-    return fused, history
+    torch.lerp(targets, mean, settings.vp_decay, out=state.vp_mean)
+    state.vp_last.copy_(targets)
+    state.vp_known = updated
+    return fused
 
 
 def flat_rows(index: torch.Tensor, width: int) -> torch.Tensor:
@@ -475,7 +490,7 @@ def shift_window(state: WindowState, source: torch.Tensor, in_range: torch.Tenso
 
     return WindowState(state.tokens.gather(1, source), take(state.q),
                        state.source.gather(1, source), state.fed.gather(1, source) & in_range,
-                       take(state.vp_mean), take(state.vp_last), take(state.vp_rises),
+                       take(state.vp_history),
                        None if state.vp_known is None else state.vp_known.gather(1, source))
 
 
@@ -493,8 +508,8 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     tests and the draws. Slots without a target keep their drafts.
     """
     if settings.verification_prediction:
-        draw_from, state = predict_verification(targets, state, state.vp_known & has_target,
-                                                has_target, settings)
+        draw_from = predict_verification(targets, state, state.vp_known & has_target,
+                                         has_target, settings)
         fresh_source = VP_DRAW
     else:
         draw_from, fresh_source = targets, TARGET_DRAW
