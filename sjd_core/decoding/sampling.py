@@ -73,14 +73,20 @@ def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:
     costs less, numpy's calls being dearer). The floor is then read off the sorted units by
     :func:`_floor_of_sorted`, in torch either way.
     """
-    if units.device.type != "cpu" or units.numel() <= _SORTED_BY_TORCH:
-        ascending = torch.sort(units, dim=-1).values
-    else:
+    if _numpy_pays(units):
         ascending = torch.from_numpy(np.sort(units.numpy(), axis=-1))
+    else:
+        ascending = torch.sort(units, dim=-1).values
     return _floor_of_sorted(ascending, math.ceil(top_p / MASS_UNIT))
 
 
 _SORTED_BY_TORCH = 4096  # codes over all distributions
+
+
+def _numpy_pays(values: torch.Tensor) -> bool:
+    """Whether numpy should select within ``values`` (a sort, a partition): on a CPU, for more
+    than a few distributions; torch's call costs less for a few, and elsewhere numpy cannot."""
+    return values.device.type == "cpu" and values.numel() > _SORTED_BY_TORCH
 
 
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -88,8 +94,7 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     apart: what ``torch.topk(values, k).values[..., -1:]`` gives. On a CPU, for more than a few
     float32 distributions, numpy's partition finds it in about two thirds of topk's time (one
     selection, and no order among the largest)."""
-    if values.device.type != "cpu" or values.numel() <= _SORTED_BY_TORCH \
-            or values.dtype != torch.float32:
+    if not _numpy_pays(values) or values.dtype != torch.float32:
         return torch.topk(values, k, dim=-1).values[..., -1:]
     position = values.shape[-1] - k
     return torch.from_numpy(np.partition(values.numpy(), position, axis=-1)[..., position:position + 1])
