@@ -207,5 +207,7 @@ def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor
     tokens = torch.where(offsets == accepted[:, None], final[:, None],
                          node_tokens.gather(1, following))
     kinds = torch.where(offsets < accepted[:, None], verify.ACCEPTED, verify.RESIDUAL)
+    on_path = ((path[:, tree.depth] == torch.arange(len(tree.depth)))
+               & (tree.depth <= accepted[:, None]))
     return verify.Verdict(path, accepted, tokens, kinds,
-                          torch.full(tokens.shape, math.nan), following)
+                          torch.full(tokens.shape, math.nan), following, on_path)

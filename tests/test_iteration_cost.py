@@ -26,8 +26,11 @@ MARGIN = 1.05
 # its boosted codes by p^2 / pbar, without a logarithm, and counts how well its rises predicted
 # only when asked; the tree's later candidates carry their residuals as weights that are not
 # normalised, with no selection; the progress report hands out a view made once; VP's history is
-# one tensor, moved by one selection and updated in place
-PINNED = {"ar": 27, "pac+vp": 356}
+# one tensor, moved by one selection and updated in place; the tree's inner nodes take their
+# first passing candidate with one argmax over all K tests; what is read of the node where the
+# path ends comes from per-node tables; redraft leaves the slots it does not feed to the init
+# rule, and keep reads the verdict's path; the commit count is shaped once
+PINNED = {"ar": 27, "pac+vp": 328}
 SET_UP = 300  # operations of setting up (the plan, the state, the trace), before the first iteration
 
 

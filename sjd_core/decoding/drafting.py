@@ -97,6 +97,41 @@ class DraftTree:
         return self.children.index_select(0, self.inner_nodes) >= 0
 
     @cached_property
+    def inner_choices(self) -> torch.Tensor:
+        """(I * (branching + 1),) per inner node its children by rank, 0 where absent, then 0
+        (none passed); :attr:`inner_choice_rows` indexes the node's part."""
+        none = torch.zeros_like(self.inner_children[:, :1])
+        return torch.cat([self.inner_children, none], 1).flatten()
+
+    @cached_property
+    def inner_choice_rows(self) -> torch.Tensor:
+        """(I, 1) where each inner node's part of :attr:`inner_choices` starts."""
+        rows = torch.arange(self.inner_nodes.numel(), device=self.parent.device)
+        return rows[:, None] * (self.branching + 1)
+
+    @cached_property
+    def inner_passes(self) -> torch.Tensor:
+        """(1, I, 1) bool, True: a test that every inner node passes, after its candidates."""
+        return torch.ones(1, self.inner_nodes.numel(), 1, dtype=torch.bool,
+                          device=self.parent.device)
+
+    @cached_property
+    def end_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What verification reads of the node where the accepted path ends, one row per node
+        in two tables, so that one selection of each fetches all of it.
+
+        int64 (T, 2W + 2): the route through the node, the node whose code was offset j's draft
+        (the route's next node; the last one again at the end), the node's depth and its place
+        among the inner nodes (0 for the others). bool (T, 2W + 2): the offsets before its depth,
+        the offset at its depth, whether it is an inner node, and whether it is not.
+        """
+        drafted = torch.cat([self.route[:, 1:], self.route[:, -1:]], 1)
+        depth, inner = self.depth[:, None], self.inner_index[:, None]
+        numbers = torch.cat([self.route, drafted, depth, inner.clamp_min(0)], 1)
+        flags = torch.cat([self.offsets < depth, self.offsets == depth, inner >= 0, inner < 0], 1)
+        return numbers, flags
+
+    @cached_property
     def parent_or_root(self) -> torch.Tensor:
         """(T,) each node's parent, 0 for the root."""
         return self.parent.clamp_min(0)
@@ -505,7 +540,9 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     new draft is distributed exactly as q'. Either way the slot's q becomes the distribution the
     new draft follows (q' itself, never the unfused target: verifying VP drafts against the
     target, as the SJD-VP paper appears to do, is not exact). ``uniforms`` (B, 2, W): the keep
-    tests and the draws. Slots without a target keep their drafts.
+    tests and the draws. Slots without a target (new to the window) are drafted the same way,
+    from what the shift left there, and marked not ``fed``, so that the init rule drafts them
+    before they are fed: no selection is spent on keeping what they held.
     """
     if settings.verification_prediction:
         draw_from = predict_verification(targets, state, state.vp_known & has_target,
@@ -520,9 +557,8 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
         tokens = torch.where(keep, state.tokens, sample(residual(draw_from, state.q), draw))
         source = torch.where(keep, AC_KEPT, AC_REPLACED)
     else:
-        tokens, source = sample(draw_from, draw), torch.full_like(state.tokens, fresh_source)
-    state.tokens = torch.where(has_target, tokens, state.tokens)
-    state.q = torch.where(has_target[..., None], draw_from, state.q)
-    state.source = as_type(torch.where(has_target, source, state.source), torch.int8)
-    state.fed = state.fed | has_target
+        tokens = sample(draw_from, draw)
+        source = torch.full_like(state.tokens, fresh_source, dtype=torch.int8)
+    state.tokens, state.q, state.source = tokens, draw_from, as_type(source, torch.int8)
+    state.fed = has_target
     return state

@@ -159,17 +159,17 @@ class _Decoder:
                               count_siblings=self.acceleration.adaptive_shape)
 
         offsets = tree.offsets
-        count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)
+        count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)[:, None]  # (B, 1)
         tested = node_source.gather(1, verdict.drafted)
         sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
         window_slots = self.committed[:, None] + offsets
-        committing = offsets < count[:, None]
+        committing = offsets < count
         writes = self.row_start[:, None] + torch.where(committing, window_slots, self.slots)
         self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
         if self.column_targets is not None:
             # a column takes the target of its latest committed slot (the last grid row's), so
             # that no column is written twice; the others go to the spare column
-            latest = committing & (offsets >= (count - self.width)[:, None])
+            latest = committing & (offsets >= count - self.width)
             columns = torch.where(latest, window_slots % self.width, self.width)
             self.column_targets.view(-1, vocab).index_copy_(
                 0, flat_rows(columns, self.column_targets.shape[1]),
@@ -182,12 +182,11 @@ class _Decoder:
         if self.count_vp_rises:
             self._count_rises(verdict.tokens, committing)
 
-        on_path = verdict.path.gather(1, tree.depth.expand(batch, -1)) == tree.node_ids
-        self.session.keep(on_path & (tree.depth < count[:, None]))
+        self.session.keep(verdict.on_path & (tree.depth < count))
 
-        self.committed = self.committed + count
-        self.anchor = self.codes.gather(0, self.row_start + (self.committed - 1).clamp_min(0))
-        new_offsets = offsets + count[:, None]
+        self.committed = self.committed + count[:, 0]
+        self.anchor = verdict.tokens.gather(1, count - 1)[:, 0]  # the last code committed
+        new_offsets = offsets + count
         has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
         moved_from = new_offsets.clamp_max(window - 1)
         shifted = shift_window(self.state, moved_from, has_target)

@@ -154,6 +154,7 @@ class Verdict:
     kinds: torch.Tensor  # (B, L) commit kind at offset j
     probability: torch.Tensor  # (B, L) acceptance probability of the test at offset j (NaN: none)
     drafted: torch.Tensor  # (B, L) node fed as offset j's draft: the path's next node
+    on_path: torch.Tensor  # (B, T) the nodes of the accepted path (the root and accepted ones)
     sibling_tests: torch.Tensor | None = None  # (B,) PD candidates 2..K tested along the path
     sibling_passes: torch.Tensor | None = None  # (B,) of those, the ones that passed
 
@@ -230,11 +231,11 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     chosen = tree.first_child * first.accept  # the accepted child of every node, 0 for none
     taken = first.probability  # probability of the accepting test, else of the first test
     relaxed = first.relaxed
-    later = sibling_tests = rank = None
+    later = sibling_tests = None
     if tree.branching > 1:
         later = _later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms,
                                   first, count_siblings)
-        rank, sibling_tests = later.rank, later.sibling_tests
+        sibling_tests = later.sibling_tests
         chosen.index_copy_(1, tree.inner_nodes, later.chosen)
         taken.index_copy_(1, tree.inner_nodes, later.taken)
         if relaxed is not None:
@@ -245,33 +246,30 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     sibling_passes = None
     if sibling_tests is not None:
         inner_on_path = on_path.index_select(1, tree.inner_nodes)
-        sibling_passes = ((rank > 0) & inner_on_path).sum(-1)
+        sibling_passes = (later.sibling_passed & inner_on_path).sum(-1)
         sibling_tests = (sibling_tests * inner_on_path).sum(-1)
     deepest = torch.where(on_path, tree.depth, -1).argmax(-1, keepdim=True)  # (B, 1)
-    accepted = tree.depth.index_select(0, deepest[:, 0])
-    path = tree.route.index_select(0, deepest[:, 0])
+    numbers, flags = (table.index_select(0, deepest[:, 0]) for table in tree.end_tables)
+    window = tree.window
+    path, drafted, accepted = numbers[:, :window], numbers[:, window:-2], numbers[:, -2]
+    before_end, at_end = flags[:, :window], flags[:, window:-2]
 
     # the slot after the path is drawn from the residual left at its end: after the first
     # candidate's rejection, or at an inner node after every live candidate's; the target itself
     # where nothing was tested
     tested_at_end = live.gather(1, deepest)  # (B, 1)
     deepest_v = deepest[..., None].expand(-1, -1, vocab)
-    end_p, end_q = p.gather(1, deepest_v), q_nodes.gather(1, deepest_v)  # (B, 1, V)
+    end_p, end_q = p.gather(1, deepest_v)[:, 0], q_nodes.gather(1, deepest_v)[:, 0]  # (B, V)
     end_rejected = tested_at_end
     if later is not None:
-        at_inner = tree.inner_index.index_select(0, deepest[:, 0])[:, None]  # (B, 1)
-        inner_end = at_inner >= 0
-        at_inner = at_inner.clamp_min(0)
-        at_inner_v = at_inner[..., None].expand(-1, -1, vocab)
+        inner_end, outer_end = flags[:, -2:-1], flags[:, -1:]  # (B, 1)
+        at_inner_v = numbers[:, -1:, None].expand(-1, -1, vocab)
         # there the rejections are already subtracted: the draw normalises what they left
-        end_p = torch.where(inner_end[..., None], later.left_over.gather(1, at_inner_v), end_p)
-        end_q = end_q * ~inner_end[..., None]
+        end_p = torch.where(inner_end, later.left_over.gather(1, at_inner_v)[:, 0], end_p)
+        end_q = end_q * outer_end
         end_rejected = end_rejected | inner_end
-    final_token = sample(residual(end_p[:, 0], end_q[:, 0], end_rejected), final_uniform)
+    final_token = sample(residual(end_p, end_q, end_rejected), final_uniform)
 
-    offsets = tree.offsets
-    before_end, at_end = offsets < accepted[:, None], offsets == accepted[:, None]
-    drafted = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
     tokens = torch.where(at_end, final_token[:, None], node_tokens.gather(1, drafted))
     final_kind = torch.where(tested_at_end, RESIDUAL, BONUS)
     accepted_kind = (ACCEPTED if relaxed is None
@@ -279,7 +277,7 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
     kinds = torch.where(before_end, accepted_kind, final_kind)
     probability = torch.where(before_end | (at_end & tested_at_end), taken.gather(1, path),
                               float("nan"))
-    return Verdict(path, accepted, tokens, kinds, probability, drafted, sibling_tests,
+    return Verdict(path, accepted, tokens, kinds, probability, drafted, on_path, sibling_tests,
                    sibling_passes)
 
 
@@ -288,11 +286,12 @@ class _LaterCandidates:
     """The PD tree's inner nodes after testing their candidates 2..K (each (B, I) unless said)."""
 
     chosen: torch.Tensor  # the accepted child, 0 for none
-    rank: torch.Tensor  # which candidate was accepted (0 = the first), -1 for none
     taken: torch.Tensor  # probability of the accepting test, else of the first test
     relaxed: torch.Tensor | None  # accepted only because the rule is relaxed
     sibling_tests: torch.Tensor | None  # candidates 2..K tested (those before the accepted
     # one); None when not asked for
+    sibling_passed: torch.Tensor | None  # whether one of candidates 2..K passed; None when
+    # not asked for
     left_over: torch.Tensor  # (B, I, V) what every live candidate's rejection left of the
     # target, not normalised: where no candidate passed, the slot is drawn from it
 
@@ -352,19 +351,23 @@ def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Ten
                            x_later, live[..., 1:], uniforms.index_select(1, inner)[..., 1:],
                            torch.cat(target_weights, -1) / torch.cat(sums, -1).clamp_min_(MIN_MASS),
                            (draft_at / left)[..., 1:])
-    first_accepted = first.accept.index_select(1, inner)
-    passed = test.accept & ~first_accepted[..., None]
-    later = passed.to(torch.int8).argmax(-1, keepdim=True)  # the first passing one (K - 1 if none)
-    any_passed = passed.gather(-1, later)[..., 0]
-    rank = torch.where(first_accepted, 0, torch.where(any_passed, later[..., 0] + 1, -1))
-    chosen = tree.inner_children.expand(batch, -1, -1).gather(
-        -1, rank.clamp_min(0)[..., None])[..., 0] * (rank >= 0)
-    taken = torch.where(any_passed, test.probability.gather(-1, later)[..., 0],
-                        first.probability.index_select(1, inner))
+    # each inner node's first passing candidate, K when none passed: candidate 1's test, the
+    # later ones', then a column that always passes; what is taken from each test is laid out
+    # the same way, with the first test's again where none passed
+    first_accepted = first.accept.index_select(1, inner)[..., None]
+    first_taken = first.probability.index_select(1, inner)[..., None]
+    rank = torch.cat([first_accepted, test.accept, tree.inner_passes.expand(batch, -1, -1)],
+                     -1).to(torch.int8).argmax(-1, keepdim=True)  # (B, I, 1)
+    chosen = tree.inner_choices.take(rank + tree.inner_choice_rows)[..., 0]
+    taken = torch.cat([first_taken, test.probability, first_taken], -1).gather(-1, rank)[..., 0]
     relaxed = None
     if first.relaxed is not None:
-        relaxed = (first.relaxed.index_select(1, inner)
-                   | (any_passed & test.relaxed.gather(-1, later)[..., 0]))
-    sibling_tests = (torch.where(rank > 0, rank, live[..., 1:].sum(-1)) * ~first_accepted
-                     if count_siblings else None)
-    return _LaterCandidates(chosen, rank, taken, relaxed, sibling_tests, weights)
+        first_relaxed = first.relaxed.index_select(1, inner)[..., None]
+        relaxed = torch.cat([first_relaxed, test.relaxed, first_relaxed], -1).gather(
+            -1, rank)[..., 0]
+    sibling_tests = sibling_passed = None
+    if count_siblings:
+        rank = rank[..., 0]
+        sibling_tests = torch.where(rank < branching, rank, live[..., 1:].sum(-1))
+        sibling_passed = (rank > 0) & (rank < branching)
+    return _LaterCandidates(chosen, taken, relaxed, sibling_tests, sibling_passed, weights)
