@@ -83,7 +83,6 @@ def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:
     return _floor_of_sorted(ascending, math.ceil(top_p / MASS_UNIT))
 
 
-
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k``-th largest of ``values`` along the last axis (..., 1), equal values counted
     apart. By torch's topk on every device: on a CPU, in the decoding loop (right after the
