@@ -458,7 +458,7 @@ def add_candidates(state: WindowState, tree: DraftTree, noise: torch.Tensor | No
         first = fed[:, :levels]
         rest = state.q[:, :levels].scatter(-1, first[..., None], 0.0)
         others = race_top(rest, noise, tree.branching - 1)
-        usable = (rest.gather(-1, others) > MIN_MASS).to(torch.int8).cumprod(-1).bool()
+        usable = rest.gather(-1, others).cummin(-1).values > MIN_MASS  # and every one before
         siblings = others.flatten(1)
         flat_tokens = torch.cat([fed, siblings], dim=1)
         flat_valid = torch.cat([flat_valid, usable.flatten(1)], dim=1)
@@ -501,6 +501,8 @@ def flat_rows(index: torch.Tensor, width: int) -> torch.Tensor:
     """The (B * n,) positions ``b * width + index[b, j]`` of a per-row ``index`` (B, n) into
     tensors of shape (B, width, ...) with their first two axes flattened, for :func:`take_rows`."""
     batch = index.shape[0]
+    if batch == 1:  # the one row starts at 0
+        return index.flatten()
     return (index + torch.arange(0, batch * width, width, device=index.device)[:, None]).flatten()
 
 
