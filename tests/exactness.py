@@ -202,12 +202,21 @@ def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor
     accepted = tree.depth[node]
     path = tree.route[node]
     final = sample(leftover[rows, node], final_uniform)
-    offsets = torch.arange(tree.window)
+    kinds = torch.where(torch.arange(tree.window) < accepted[:, None], verify.ACCEPTED,
+                        verify.RESIDUAL)
+    return verdict_of_path(tree, path, accepted, final, node_tokens, kinds,
+                           torch.full(kinds.shape, math.nan))
+
+
+def verdict_of_path(tree, path: torch.Tensor, accepted: torch.Tensor, final: torch.Tensor,
+                    node_tokens: torch.Tensor, kinds: torch.Tensor,
+                    probability: torch.Tensor) -> verify.Verdict:
+    """The verdict of a path (B, W) of ``tree`` accepted up to depth ``accepted`` (B,), with
+    ``final`` (B,) the code drawn after it: the committed codes, the node fed as each offset's
+    draft, and the nodes on the accepted path."""
     following = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
-    tokens = torch.where(offsets == accepted[:, None], final[:, None],
+    tokens = torch.where(torch.arange(tree.window) == accepted[:, None], final[:, None],
                          node_tokens.gather(1, following))
-    kinds = torch.where(offsets < accepted[:, None], verify.ACCEPTED, verify.RESIDUAL)
     on_path = ((path[:, tree.depth] == torch.arange(len(tree.depth)))
                & (tree.depth <= accepted[:, None]))
-    return verify.Verdict(path, accepted, tokens, kinds,
-                          torch.full(tokens.shape, math.nan), following, on_path)
+    return verify.Verdict(path, accepted, tokens, kinds, probability, following, on_path)

@@ -22,7 +22,7 @@ import torch
 
 from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
                        loop_verify_tree, sample_images, target_distribution, tiny_model,
-                       tiny_sampling)
+                       tiny_sampling, verdict_of_path)
 from sjd_core.decoding import drafting, engine, planner, sampling, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
@@ -407,14 +407,9 @@ def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, fina
     final_p = p.gather(1, deepest[:, None, None].expand(-1, 1, vocab)).squeeze(1)
     final = sample(torch.where(has_child[:, None], residual(final_p, final_q), final_p),
                    final_uniform)
-    offsets = torch.arange(tree.window)
-    next_nodes = torch.cat([path[:, 1:], path[:, -1:]], dim=1)
-    tokens = torch.where(offsets == accepted[:, None], final[:, None],
-                         node_tokens.gather(1, next_nodes))
-    kinds = torch.full((batch, tree.window), verify.ACCEPTED)
-    on_path = (path[:, tree.depth] == torch.arange(size)) & (tree.depth <= accepted[:, None])
-    return verify.Verdict(path, accepted, tokens, kinds, torch.full((batch, tree.window), 0.5),
-                          next_nodes, on_path)
+    return verdict_of_path(tree, path, accepted, final, node_tokens,
+                           torch.full((batch, tree.window), verify.ACCEPTED),
+                           torch.full((batch, tree.window), 0.5))
 
 
 def longest_accepted_row(monkeypatch):
