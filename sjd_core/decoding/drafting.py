@@ -557,10 +557,10 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
         old = state.tokens[..., None]
         keep = keep_test * state.q.gather(-1, old).squeeze(-1) <= draw_from.gather(-1, old).squeeze(-1)
         tokens = torch.where(keep, state.tokens, sample(residual(draw_from, state.q), draw))
-        source = torch.where(keep, AC_KEPT, AC_REPLACED)
+        source = torch.where(keep, AC_KEPT, AC_REPLACED).to(torch.int8)
     else:
         tokens = sample(draw_from, draw)
         source = torch.full_like(state.tokens, fresh_source, dtype=torch.int8)
-    state.tokens, state.q, state.source = tokens, draw_from, as_type(source, torch.int8)
+    state.tokens, state.q, state.source = tokens, draw_from, source
     state.fed = has_target
     return state
