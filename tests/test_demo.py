@@ -139,6 +139,22 @@ def test_benchmarks_show_a_progress_bar_per_image(capsys, tmp_path):
     assert written[0]["outside_forward_share"] is None and 0 < written[1]["outside_forward_share"] < 1
 
 
+def test_the_bench_holds_auto_to_the_fastest_fixed_lossless_mode():
+    """Lossy and other cost-aware rows are not what auto is compared with."""
+    records = [{"mode": mode, "speedup_vs_ar": speed} for mode, speed in
+               [("AR", 1.0), ("SJD", 1.7), ("AC+above", 2.5), ("lossy", 3.0), ("auto", 2.4),
+                ("auto per pass", 2.0)]]
+    modes = {"AR": bench.MODES["AR"], "SJD": bench.MODES["SJD"],
+             "AC+above": bench.MODES["AC+above"], "auto": bench.MODES["auto"],
+             "lossy": AccelerationSettings(relaxed="gsd"),
+             "auto per pass": AccelerationSettings.preset("auto", shape_cost="passes")}
+    assert bench.against_fixed(records, modes) == (
+        "auto / fastest fixed lossless mode (AC+above): 0.960; "
+        "auto per pass / fastest fixed lossless mode (AC+above): 0.800")
+    assert bench.against_fixed(records[:2], {"AR": modes["AR"], "SJD": modes["SJD"]}) == (
+        "no auto row and fixed lossless row to compare")
+
+
 def test_colour_ramp_and_heatmap_layout():
     values = np.array([[[0.0, 1.0], [0.5, np.nan]]])
     rgb = colourise(values)
@@ -198,6 +214,12 @@ def test_histogram_has_bars_and_labelled_axes():
     assert teal.sum() > 500 and not (np.abs(empty.astype(int) - (33, 145, 140)).max(axis=-1) == 0).any()
     dark = (full.min(axis=-1) < 100)
     assert dark[:, :20].any() and dark[-22:].any()  # text of the y and x axis labels
+
+
+def test_reference_benchmark_lists_the_shapes_auto_fed():
+    rows = [{"mode": "AR", "shapes": {"AR": 256}},
+            {"mode": "auto", "shapes": {"window 32": 30, "window 16": 200, "AR": 1}}]
+    assert benchmark.shapes_fed(rows) == "  auto: window 16 x200, window 32 x30, AR x1"
 
 
 def test_reference_benchmark_lists_how_often_each_draft_rule_passed():

@@ -174,6 +174,11 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
                                 sum(part_summary["draft_sources"][name] for part in parts
                                     for part_summary in part["summaries"]))
                          for name in parts[0]["summaries"][0]["drafts_tested"]}
+        row["shapes"] = {}
+        for part in parts:
+            for part_summary in part["summaries"]:
+                for shape, count in part_summary["shapes"].items():
+                    row["shapes"][shape] = row["shapes"].get(shape, 0) + count
         row["vp_rises"] = {name: sum(part_summary["vp_rises"].get(name, 0) for part in parts
                                      for part_summary in part["summaries"])
                            for name in RISE_COUNTS}
@@ -222,6 +227,14 @@ def draft_rules(rows: list[dict]) -> str:
                  if tested and name != DRAFT_SOURCES[PD_SIBLING]]
         lines.append(f"  {row['mode']}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def shapes_fed(rows: list[dict]) -> str:
+    """For the rows that fed more than one shape (``auto``): iterations per shape, most first."""
+    return "\n".join(
+        f"  {row['mode']}: " + ", ".join(f"{shape} x{count}" for shape, count in
+                                        sorted(row["shapes"].items(), key=lambda kv: -kv[1]))
+        for row in rows if len(row["shapes"]) > 1)
 
 
 def vp_rises(rows: list[dict]) -> str:
@@ -361,6 +374,9 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
               f"{real_floor(probe, count, seed=args.seed):.2f}")
         print("\ndecisive tests passed, by the rule that made the draft:")
         print(draft_rules(rows))
+        if any(len(row["shapes"]) > 1 for row in rows):
+            print("\niterations by the shape fed:")
+            print(shapes_fed(rows))
         if any(row["vp_rises"]["slots"] for row in rows):
             print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
                   "committed code:")
