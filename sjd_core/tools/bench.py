@@ -197,10 +197,11 @@ def summarise(times: dict[str, ModeTimes], slots: int, batch: int) -> list[dict]
 def against_fixed(records: list[dict], modes: dict[str, AccelerationSettings]) -> str:
     """A line comparing every ``auto`` row's speed with the fastest fixed lossless mode's."""
     speed = {r["mode"]: r["speedup_vs_ar"] for r in records}
-    fixed = [name for name, a in modes.items() if a.lossless and not a.adaptive_shape]
-    cost_aware = [name for name, a in modes.items() if a.adaptive_shape]
+    fixed = [name for name, settings in modes.items()
+             if settings.lossless and not settings.adaptive_shape]
+    cost_aware = [name for name, settings in modes.items() if settings.adaptive_shape]
     if not fixed or not cost_aware:
-        return "no auto row and fixed lossless row to compare"
+        return "auto / fastest fixed lossless mode: not measured (the run lacks one of the two)"
     best = max(fixed, key=speed.__getitem__)
     return "; ".join(f"{name} / fastest fixed lossless mode ({best}): {speed[name] / speed[best]:.3f}"
                      for name in cost_aware)
