@@ -222,6 +222,15 @@ def test_reference_benchmark_lists_the_shapes_auto_fed():
     assert benchmark.shapes_fed(rows) == "  auto: window 16 x200, window 32 x30, AR x1"
 
 
+def test_shape_counts_are_written_most_first_and_the_rest_counted():
+    from sjd_core.decoding.trace import shape_counts_text
+
+    shapes = {"AR": 1, "window 16": 200, "window 32": 30, "window 8": 9, "window 4": 2, "x": 1}
+    assert shape_counts_text(shapes, shown=4) == (
+        "window 16 x200, window 32 x30, window 8 x9, window 4 x2, 2 more")
+    assert shape_counts_text({"AR": 1, "window 16": 5}) == "window 16 x5, AR x1"
+
+
 def test_reference_benchmark_lists_how_often_each_draft_rule_passed():
     rows = [{"mode": "AR", "drafts": {"drawn by VP": (0, 0)}},
             {"mode": "PAC+VP", "drafts": {"drawn by VP": (40, 10), "drawn from target": (20, 15),

@@ -432,15 +432,22 @@ _FLOAT_ARRAYS = {"forward_seconds": np.float64, "other_seconds": np.float64,
                  "acceptance_probability": np.float64}
 
 
+def shape_counts_text(shapes: dict[str, int], shown: int | None = None) -> str:
+    """``window 16 x200, window 32 x30``: iterations per shape fed, most first; past ``shown``
+    shapes, how many more there were."""
+    ordered = sorted(shapes.items(), key=lambda item: -item[1])
+    text = ", ".join(f"{name} x{count}" for name, count in ordered[:shown])
+    hidden = len(ordered) - len(ordered[:shown])
+    return text + (f", {hidden} more" if hidden else "")
+
+
 def summary_text(summary: dict[str, Any]) -> str:
     """One human line from :meth:`Trace.summary`; the shapes fed when there were several."""
     text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
             f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
-    shapes = sorted(summary.get("shapes", {}).items(), key=lambda item: -item[1])
+    shapes = summary.get("shapes", {})
     if len(shapes) > 1:
-        text += "; steps by shape: " + ", ".join(f"{name} x{count}" for name, count in shapes[:4])
-        if len(shapes) > 4:
-            text += f", {len(shapes) - 4} more"
+        text += "; steps by shape: " + shape_counts_text(shapes, shown=4)
     return text + "".join(f". WARNING: {w}" for w in summary.get("warnings", []))

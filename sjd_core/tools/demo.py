@@ -189,10 +189,10 @@ def _run(args: argparse.Namespace) -> dict:
     print(f"{fast.mode_name}: {totals['fast'][1]:.0f} forward passes, {totals['fast'][0]:.2f} s "
           f"for {batches} image(s) of {summary['slots_per_image']} codes "
           f"(window {fast.window}, {sampling})")
-    shapes = sorted(summary["shapes"].items(), key=lambda item: -item[1])
-    if len(shapes) > 1:
-        print("  steps by shape (first image): " + ", ".join(f"{name} x{count}"
-                                                            for name, count in shapes))
+    if len(summary["shapes"]) > 1:
+        from ..decoding.trace import shape_counts_text
+
+        print("  steps by shape (first image): " + shape_counts_text(summary["shapes"]))
     if compare:
         baseline_seconds = totals["ar"][0]
         print(f"AR: {totals['ar'][1]:.0f} forward passes, {totals['ar'][0]:.2f} s, same prompts "

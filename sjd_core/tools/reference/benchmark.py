@@ -30,6 +30,7 @@ torch is imported after the arguments are read, so ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -174,11 +175,10 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
                                 sum(part_summary["draft_sources"][name] for part in parts
                                     for part_summary in part["summaries"]))
                          for name in parts[0]["summaries"][0]["drafts_tested"]}
-        row["shapes"] = {}
+        row["shapes"] = Counter()
         for part in parts:
             for part_summary in part["summaries"]:
-                for shape, count in part_summary["shapes"].items():
-                    row["shapes"][shape] = row["shapes"].get(shape, 0) + count
+                row["shapes"].update(part_summary["shapes"])
         row["vp_rises"] = {name: sum(part_summary["vp_rises"].get(name, 0) for part in parts
                                      for part_summary in part["summaries"])
                            for name in RISE_COUNTS}
@@ -231,10 +231,10 @@ def draft_rules(rows: list[dict]) -> str:
 
 def shapes_fed(rows: list[dict]) -> str:
     """For the rows that fed more than one shape (``auto``): iterations per shape, most first."""
-    return "\n".join(
-        f"  {row['mode']}: " + ", ".join(f"{shape} x{count}" for shape, count in
-                                        sorted(row["shapes"].items(), key=lambda kv: -kv[1]))
-        for row in rows if len(row["shapes"]) > 1)
+    from ...decoding.trace import shape_counts_text
+
+    return "\n".join(f"  {row['mode']}: {shape_counts_text(row['shapes'])}"
+                     for row in rows if len(row["shapes"]) > 1)
 
 
 def vp_rises(rows: list[dict]) -> str:
