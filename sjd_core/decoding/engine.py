@@ -28,7 +28,7 @@ from ..messages import quote
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     flat_rows, redraft, shift_window, take_rows
-from .planner import Plan, describe_shape, make_plan
+from .planner import Plan, describe_shape, largest_shape, make_plan
 from .sampling import RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
@@ -308,11 +308,13 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     acceleration.check_codebook(model.codebook_size)
     device = torch.device(model.device)
     marks: list = []  # the recorder's clock, once the decoder exists
-    plan: Plan = make_plan(acceleration, model, request, sampling, device,
-                           lambda i: marks[0].seconds_between(4 * i, 4 * i + 3))
-    check_batch(request.batch_size, plan.max_nodes, acceleration.window, model.codebook_size,
+    max_nodes = largest_shape(acceleration)
+    check_batch(request.batch_size, max_nodes, acceleration.window, model.codebook_size,
                 sampling.guidance != 1.0, acceleration.verification_prediction, device)
-    session = model.start(replace(request, guidance=sampling.guidance, max_nodes=plan.max_nodes))
+    session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
+    plan: Plan = make_plan(acceleration, model, request, sampling, device,
+                           lambda i: marks[0].seconds_between(4 * i, 4 * i + 3),
+                           session.grid_height * session.grid_width)
     decoder = _Decoder(model, session, sampling, acceleration, seed, device, count_vp_rises)
     marks.append(decoder.recorder.clock)
     while decoder.rows:
@@ -332,7 +334,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             on_iteration(report)
 
     meta = {"mode": plan.mode_name, "lossless": acceleration.lossless,
-            "window": acceleration.window, "tree_nodes": plan.max_nodes, "seed": seed,
+            "window": acceleration.window, "tree_nodes": max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
             "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}

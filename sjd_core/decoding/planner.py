@@ -41,7 +41,6 @@ def describe_shape(tree: DraftTree) -> str:
 class Plan(Protocol):
     """Chooses the shape of every iteration."""
 
-    max_nodes: int  # the most nodes any chosen shape feeds
     mode_name: str
     warnings: list[str]  # what went wrong and what the plan did instead, for the run's summary
 
@@ -66,7 +65,6 @@ class FixedPlan:
 
     def __init__(self, settings: AccelerationSettings, device: torch.device) -> None:
         self.tree = DraftTree.for_settings(settings, device)
-        self.max_nodes = self.tree.size
         self.mode_name = settings.mode_name
         self.warnings: list[str] = []
 
@@ -83,11 +81,13 @@ class FixedPlan:
 
 _MEMORY = 0.98  # per counted iteration: what the acceptance counts remember
 _HYSTERESIS = 0.05  # another shape must be expected this much faster to be switched to
-_PROBE = 64  # iterations between two runs of the longest window when it is itself the best
+_PROBE = 64  # iterations between the first two runs of the longest window if it is the best
 _PROBE_RUN = 10  # iterations per run of the longest window; the first few settle, uncounted
 _FIRST_PROBE_RUN = 30  # the first run of a new profile: its estimate starts from these alone
 _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed before
-_PRIOR_HAZARD = 0.3  # rejection rate assumed at a depth before any draft was tested there
+_PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
+_OPENING = 0.25  # share of the image a new profile feeds its middle window before it measures
+_TIMED_RUN = 3  # iterations per run of AR and of a short window that a new profile times
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 @dataclass
@@ -107,8 +107,8 @@ class _Profile:
     sibling_tests: float = 0.0
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
-    generations: int = 0
-    until_probe: int = 0  # iterations left before the next run of the longest window
+    until_probe: int | None = None  # iterations left before the next run of the longest window;
+    # None: a run just ended, and the next choice sets it from what the run measured
     probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
     current: int = -1  # index of the shape the last generation ended with
 
@@ -160,7 +160,8 @@ class AutoPlan:
     estimate then predicts shorter windows well, while an estimate made on a short window would
     see its drafts less refined and underrate every longer one. So the longest window (in turn
     with and without its full tree) runs now and then for a few iterations, more rarely the more
-    it costs against the best shape.
+    it costs against the best shape and the more runs have been made (the interval grows with
+    the square root of their number, so the estimate keeps learning while probing costs less).
 
     A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
     (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
@@ -172,7 +173,13 @@ class AutoPlan:
     seconds per iteration of the shapes measured so far (a shape's own time alone would keep it
     out of the running, once timed while the machine was busy, until it happened to run again);
     plain autoregression (its own, leaner step) competes with its own measured time. The first
-    run of the longest window is longer than the later ones, since every estimate starts from it.
+    iteration of a run of one shape is not timed (a shape's first forward in a process, or the
+    first after the prefill, can take several times its usual time). A new profile first feeds
+    a window of half the longest for a quarter of the image: the top rows have no row above to
+    draft from, drafts pass there least whatever the window, and an estimate started there would
+    underrate long windows. It then times AR and a short window for a few iterations each, and
+    makes its first run of the longest window, longer than the later ones, since every estimate
+    starts from it. The interval to the next run is set when a run ends, from what it measured.
     The iterations themselves are the timing probes, so measuring costs no extra forward pass.
     What is learnt is kept for the next generation with the same model, device, batch and
     settings. If the clock fails (an error, or a time that is not a positive number), the rest of
@@ -181,9 +188,8 @@ class AutoPlan:
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
                  request: GenerationRequest, sampling: SamplingSettings, device: torch.device,
-                 seconds_of: Callable[[int], float | None]) -> None:
+                 seconds_of: Callable[[int], float | None], image_codes: int) -> None:
         self.settings, self.device = settings, device
-        self.max_nodes = largest_shape(settings)
         self.mode_name = settings.mode_name
         self.seconds_of = seconds_of  # seconds of iteration i, None while not known yet
         self.per_pass = settings.shape_cost == "passes"
@@ -211,13 +217,14 @@ class AutoPlan:
         except TypeError:  # a model that cannot be weakly referenced keeps no profile
             profiles_of_model = {}
         self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
-        self.profile.generations += 1
-        short = next(t for t in self.shapes if t.window == min(4, settings.window))
-        # a new profile times AR and a short window once (the costs), then runs the probes
-        self.queue = ([self.shapes[0], short] if self.profile.generations == 1
-                      and not self.per_pass else [])
+        self.short = next(t for t in self.shapes if t.window == min(4, settings.window))
+        self.middle = max((t for t in self.shapes[1:] if not t.tree_levels
+                           and t.window <= max(settings.window // 2, 2)), key=lambda t: t.window)
+        self.opening_codes = _OPENING * image_codes
+        self.codes_done = 0.0  # mean codes committed per image so far
+        self.queue: list[DraftTree] = []
         self.current = self.profile.current if self.profile.current >= 0 else \
-            self.shapes.index(self.probes[0])
+            self.shapes.index(self.middle)
         self.previous: DraftTree | None = None
         self.run = 0  # iterations in a row of the same shape
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
@@ -244,25 +251,46 @@ class AutoPlan:
             return self.probes[0]
         if self.queue:
             return self.queue.pop(0)
-        self.profile.until_probe -= 1
+        profile = self.profile
+        if not profile.probes_made:
+            if self.codes_done < self.opening_codes:
+                return self.middle
+            # the top rows, which have no row above to draft from, are behind: time the costs
+            # and start the estimate where the image is like most of it
+            timed = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
+                _TIMED_RUN
+            self.queue = timed + self._probe_run()
+            return self.queue.pop(0)
         rates = self._rates()
-        if self.profile.until_probe <= 0:
-            probe = self.probes[self.profile.probes_made % len(self.probes)]
-            self.profile.probes_made += 1
-            run = _FIRST_PROBE_RUN if self.profile.probes_made == 1 else _PROBE_RUN
-            self.queue = [probe] * (run - 1)
-            cost = rates.max() / max(rates[self.shapes.index(probe)], 1e-12)  # >= 1: how slower
-            self.profile.until_probe = int(_PROBE * cost * cost)
-            return probe
+        if profile.until_probe is None:  # a run just ended: how often, by what it measured
+            last = self.probes[(profile.probes_made - 1) % len(self.probes)]
+            cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
+            profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
+        profile.until_probe -= 1
+        if profile.until_probe <= 0:
+            self.queue = self._probe_run()
+            return self.queue.pop(0)
         best = int(rates.argmax())
         if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
             self.current = best
         return self.shapes[self.current]
 
+    def _probe_run(self) -> list[DraftTree]:
+        """The next run of the longest window, in turn without and with its tree."""
+        profile = self.profile
+        probe = self.probes[profile.probes_made % len(self.probes)]
+        profile.probes_made += 1
+        profile.until_probe = None
+        return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
+
     def _hazard(self) -> np.ndarray:
         """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
-        ones before it passed; each depth has a weak prior."""
-        return (self.profile.stopped[1:] + _PRIOR_HAZARD) / (self.profile.at_risk[1:] + 1.0)
+        ones before it passed. Each depth leans, by one draft's weight, on the rate of all depths
+        together: the deep depths, which few drafts reach, are then not pulled towards a fixed
+        guess (that would make every window past them look worth less than it is)."""
+        stopped, at_risk = self.profile.stopped[1:], self.profile.at_risk[1:]
+        pooled = (stopped.sum() + _PRIOR_HAZARD) / (at_risk.sum() + 1.0)
+        return (stopped + pooled) / (at_risk + 1.0)
 
     def _codes(self, hazard: np.ndarray, sibling_pass: float) -> np.ndarray:
         """Expected codes per iteration of every shape (see the class docstring)."""
@@ -315,7 +343,10 @@ class AutoPlan:
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
         elif warm and self.run > _SETTLE and tree is self.probes[0]:
             self._count(tree, np.asarray(accepted))
-        if not self.untimed:
+        self.codes_done += sum(accepted) / len(accepted)
+        # a run's first iteration is not timed: a shape's first forward in a process or after
+        # the prefill can take several times its usual time, which would stay in its estimate
+        if not self.untimed and self.run > 1:
             self.pending.append((self.iteration, tree.size))
         self.iteration += 1
         still = []
@@ -361,8 +392,9 @@ class AutoPlan:
 
 def make_plan(settings: AccelerationSettings, model: ImageTokenModel, request: GenerationRequest,
               sampling: SamplingSettings, device: torch.device,
-              seconds_of: Callable[[int], float | None]) -> Plan:
-    """The plan for ``settings``: fixed for every mode but ``auto`` (``adaptive_shape``)."""
+              seconds_of: Callable[[int], float | None], image_codes: int) -> Plan:
+    """The plan for ``settings``: fixed for every mode but ``auto`` (``adaptive_shape``);
+    ``image_codes``: codes per image."""
     if settings.adaptive_shape:
-        return AutoPlan(settings, model, request, sampling, device, seconds_of)
+        return AutoPlan(settings, model, request, sampling, device, seconds_of, image_codes)
     return FixedPlan(settings, device)
