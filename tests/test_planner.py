@@ -144,9 +144,33 @@ def test_a_new_profile_opens_below_the_top_rows_then_times_and_probes():
     plan.choose()
     assert plan.profile.until_probe > 0
     later = plan_for(adaptive_tree=False, proactive_drafting=False)
-    later.profile = plan.profile  # a later generation: no opening and no timing runs
-    plan.profile.until_probe = 1
+    later.profile = learnt(plan, [0.02], 0.0).profile  # a later generation: no opening and no
+    later.profile.seconds = {1: 0.010, 4: 0.011, 16: 0.014}  # timing runs; the longest pays
+    later.profile.until_probe = 1
     assert [describe_shape(later.choose()) for _ in range(10)] == ["window 32"] * 10
+
+
+@pytest.mark.parametrize("steep", [True, False])
+def test_a_run_of_the_longest_window_is_skipped_where_even_luck_would_not_make_it_pay(steep):
+    """Drafts fail at 30% at depths 1..7 and no draft was tested deeper. Where each fed node
+    adds 1 ms, window 32 could not beat the best shape even if every deeper draft passed: its
+    run is skipped (it would only cost) and counts as made, so the next is the tree's. Where
+    nodes are almost free, it could, and it runs."""
+    plan = plan_for(adaptive_tree=False)
+    plan.profile.at_risk[1:8] = 1000.0
+    plan.profile.stopped[1:8] = 300.0
+    slope = 0.001 if steep else 0.00002
+    plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * slope, 16: 0.010 + 16 * slope}
+    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # the next run: the chain's
+    chosen = describe_shape(plan.choose())
+    assert plan.profile.probes_made == 3
+    if steep:
+        assert chosen != "window 32" and not plan.queue
+        assert plan._optimistic_rates()[plan.shapes.index(plan.probes[0])] < plan._rates().max()
+        plan.choose()
+        assert plan.profile.until_probe > 0  # the interval is set again, from the skipped run
+    else:
+        assert chosen == "window 32" and len(plan.queue) == 9
 
 
 def test_the_first_iteration_of_every_run_is_left_out_of_the_times():

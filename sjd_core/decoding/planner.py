@@ -88,6 +88,8 @@ _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed bef
 _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _OPENING = 0.25  # share of the image a new profile feeds its middle window before it measures
 _TIMED_RUN = 3  # iterations per run of AR and of a short window that a new profile times
+_REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
+# slowly, and making one takes about 1.5% of an iteration of the embedded model on a CPU
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 @dataclass
@@ -161,7 +163,8 @@ class AutoPlan:
     see its drafts less refined and underrate every longer one. So the longest window (in turn
     with and without its full tree) runs now and then for a few iterations, more rarely the more
     it costs against the best shape and the more runs have been made (the interval grows with
-    the square root of their number, so the estimate keeps learning while probing costs less).
+    the square root of their number, so the estimate keeps learning while probing costs less);
+    a run that could not pay even with the luckiest acceptance the counts allow is skipped.
 
     A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
     (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
@@ -229,6 +232,8 @@ class AutoPlan:
         self.run = 0  # iterations in a row of the same shape
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
+        self.rates: np.ndarray | None = None  # the last estimate of every shape's rate
+        self.rates_until = 0  # the iteration from which that estimate is made again
         self.untimed = False  # the clock failed: the longest window from then on
         self.warnings: list[str] = []
 
@@ -259,29 +264,48 @@ class AutoPlan:
             # and start the estimate where the image is like most of it
             timed = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
                 _TIMED_RUN
-            self.queue = timed + self._probe_run()
-            return self.queue.pop(0)
-        rates = self._rates()
+            self.queue = timed + self._probe_run(self._rates())
+            if self.queue:
+                return self.queue.pop(0)
+        if self.rates is None or self.iteration >= self.rates_until:
+            self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
+        rates = self.rates
         if profile.until_probe is None:  # a run just ended: how often, by what it measured
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
             cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
         profile.until_probe -= 1
         if profile.until_probe <= 0:
-            self.queue = self._probe_run()
-            return self.queue.pop(0)
+            self.queue = self._probe_run(rates)
+            if self.queue:
+                return self.queue.pop(0)
         best = int(rates.argmax())
         if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
             self.current = best
         return self.shapes[self.current]
 
-    def _probe_run(self) -> list[DraftTree]:
-        """The next run of the longest window, in turn without and with its tree."""
+    def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
+        """The next run of the longest window, in turn without and with its tree; none where
+        that shape could not beat the best one even if it were as lucky as what was counted
+        allows (:meth:`_optimistic_rates`): such a run would only cost."""
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
         profile.probes_made += 1
         profile.until_probe = None
+        index = self.shapes.index(probe)
+        if self._optimistic_rates()[index] < rates.max():
+            return []
         return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
+
+    def _optimistic_rates(self) -> np.ndarray:
+        """Codes per second of every shape if its drafts were as lucky as the counts allow: each
+        depth's rejections without the pooled rate to lean on (a depth no draft reached always
+        passes), and further PD candidates with one pass more than counted (before any tree
+        ran, they always pass)."""
+        profile = self.profile
+        hazard = profile.stopped[1:] / (profile.at_risk[1:] + 1.0)
+        sibling_pass = (profile.sibling_passes + 1.0) / (profile.sibling_tests + 1.0)
+        return self._codes(hazard, sibling_pass) / self._seconds()
 
     def _hazard(self) -> np.ndarray:
         """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
