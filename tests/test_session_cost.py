@@ -126,13 +126,25 @@ def test_advance_does_fewer_operations_than_forward_and_keep(model):
     assert counter.counts["session"] < PINNED["ar"][0]
 
 
-@pytest.mark.parametrize("stand_in", [False, True])
-def test_cache_scaling_bench_splits_every_iteration(stand_in):
+@pytest.mark.parametrize("backbone", session_bench.BACKBONES)
+def test_cache_scaling_bench_splits_every_iteration(backbone):
     network = session_bench.random_decoder()
     outside, inside = session_bench.image_iterations(network, 4, True, session_bench.SplitClock(),
-                                                     stand_in)
+                                                     backbone)
     assert len(outside) == len(inside) == 6  # 16 slots, three kept per iteration
     assert min(outside) > 0 and min(inside) > 0
+
+
+def test_the_control_attends_over_a_long_image_and_leaves_the_decoders_output_alone():
+    network = session_bench.random_decoder()
+    control = session_bench.decoder_parts(network, row_end=True, backbone="control").backbone
+    assert control.keys.shape[2] == 64 * 65  # a 64x64 image's codes and row ends
+    inputs = torch.randn(2, 5, network.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(control(inputs_embeds=inputs).last_hidden_state,
+                           network.model(inputs_embeds=inputs).last_hidden_state)
+    with pytest.raises(ValueError, match="backbone is 'eager'; allowed: decoder, stand-in, control"):
+        session_bench.decoder_parts(network, row_end=True, backbone="eager")
 
 
 def test_autoregression_bench_reports_share_and_speeds(model):

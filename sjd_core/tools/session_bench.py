@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -69,12 +70,45 @@ class CacheWritesOnly(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
 
 
-def decoder_parts(network: LlamaForCausalLM, row_end: bool, stand_in: bool = False) -> DecoderParts:
-    """The parts of ``network`` for HFSession; ``stand_in`` replaces its decoder by
-    :class:`CacheWritesOnly`."""
+class AlsoAttendsLong(nn.Module):
+    """A decoder followed, in every forward, by one more attention per layer of its shapes over
+    ``columns`` fixed random keys and values (every column open): a longer image's attention
+    work behind a session whose own work stays that of its image."""
+
+    def __init__(self, decoder: nn.Module, config: LlamaConfig, rows: int, columns: int) -> None:
+        super().__init__()
+        self.decoder, self.layers = decoder, config.num_hidden_layers
+        heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+        generator = torch.Generator().manual_seed(columns)
+        self.keys = torch.randn(rows, heads, columns, head_dim, generator=generator)
+        self.values = torch.randn(rows, heads, columns, head_dim, generator=generator)
+
+    def forward(self, inputs_embeds: torch.Tensor, **decoder_inputs) -> BaseModelOutputWithPast:
+        out = self.decoder(inputs_embeds=inputs_embeds, **decoder_inputs)
+        rows, heads, _, head_dim = self.keys.shape
+        queries = inputs_embeds.new_ones(rows, heads, inputs_embeds.shape[1], head_dim)
+        for _ in range(self.layers):
+            F.scaled_dot_product_attention(queries, self.keys, self.values)
+        return out
+
+
+BACKBONES = ("decoder", "stand-in", "control")
+LONG_SIDE = 64  # the control attends over as many more columns as this image's codes and row ends
+
+
+def decoder_parts(network: LlamaForCausalLM, row_end: bool, backbone: str = "decoder",
+                  rows: int = 2) -> DecoderParts:
+    """The parts of ``network`` for HFSession. ``backbone`` (one of BACKBONES): its decoder, the
+    :class:`CacheWritesOnly` stand-in, or its decoder followed by :class:`AlsoAttendsLong` over
+    a LONG_SIDE x LONG_SIDE image's columns (``rows`` cache rows)."""
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone is {backbone!r}; allowed: {', '.join(BACKBONES)}.")
     embed = network.model.embed_tokens
-    backbone = CacheWritesOnly(network.config) if stand_in else network.model
-    return DecoderParts(backbone=backbone, embed_tokens=embed,
+    layers = {"decoder": network.model, "stand-in": CacheWritesOnly(network.config)}.get(backbone)
+    if layers is None:
+        columns = LONG_SIDE * (LONG_SIDE + int(row_end))
+        layers = AlsoAttendsLong(network.model, network.config, rows, columns)
+    return DecoderParts(backbone=layers, embed_tokens=embed,
                         embed_codes=lambda codes: embed(codes + CODES_FROM),
                         code_logits=lambda hidden: network.lm_head(hidden)[..., CODES_FROM:],
                         row_end_id=ROW_END if row_end else None, device=torch.device("cpu"),
@@ -104,12 +138,13 @@ class SplitClock:
 
 @torch.no_grad()
 def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock: SplitClock,
-                     stand_in: bool = False) -> tuple[list[float], list[float]]:
-    """Per iteration (outside, network) seconds of decoding a whole ``side`` x ``side`` image."""
+                     backbone: str = "decoder") -> tuple[list[float], list[float]]:
+    """Per iteration (outside, network) seconds of decoding a whole ``side`` x ``side`` image;
+    ``backbone`` as in :func:`decoder_parts`."""
     tree = DraftTree.for_settings(TREE, torch.device("cpu"))
     contexts = [Context(ids=torch.arange(2, 8).repeat(2)), Context(ids=torch.tensor([2, 3, 7]))]
-    session = HFSession(decoder_parts(network, row_end, stand_in), contexts[:1], contexts[1:],
-                        (side, side), max_nodes=tree.size)
+    session = HFSession(decoder_parts(network, row_end, backbone, len(contexts)), contexts[:1],
+                        contexts[1:], (side, side), max_nodes=tree.size)
     slots = side * side
     codes = torch.randint(0, CODEBOOK, (1, tree.size), generator=torch.Generator().manual_seed(side))
     path = tree.route[0]
@@ -129,29 +164,39 @@ def image_iterations(network: LlamaForCausalLM, side: int, row_end: bool, clock:
 
 
 def cache_scaling(network: LlamaForCausalLM, repeats: int, rounds: int = 2) -> list[str]:
-    """Report lines: outside-the-network time per iteration at 16x16 and 64x64, and the ratio.
+    """Report lines: outside-the-network time per iteration at 16x16 and 64x64 and their ratio, for
+    the decoder and the stand-in, and the control's 16x16 against the decoder's.
 
     Each round decodes ``repeats`` 16x16 images (about as many iterations as one 64x64 image) and
-    one 64x64 image; alternating them spreads a changing load on the machine over both sizes.
+    one 64x64 image of each case; interleaving them spreads a changing load on the machine over
+    all cases.
     """
+    cases = [("decoder", 16), ("decoder", LONG_SIDE), ("stand-in", 16), ("stand-in", LONG_SIDE),
+             ("control", 16)]
     lines = []
     for row_end in (True, False):
-        for stand_in in (False, True):
-            label = ("row ends" if row_end else "no row ends") + (", stand-in" if stand_in else ", decoder")
-            outside: dict[int, list[float]] = {16: [], 64: []}
-            inside: dict[int, list[float]] = {16: [], 64: []}
-            for _ in range(rounds):
-                for side in (16, 64):
-                    for _ in range(repeats if side == 16 else 1):
-                        o, i = image_iterations(network, side, row_end, SplitClock(), stand_in)
-                        outside[side] += o
-                        inside[side] += i
-            medians = {side: statistics.median(times) for side, times in outside.items()}
-            for side in (16, 64):
-                lines.append(f"  {label}, {side}x{side}: {len(outside[side])} iterations, outside the "
-                             f"network {1e6 * medians[side]:.0f} us/it, network "
-                             f"{1e6 * statistics.median(inside[side]):.0f} us/it")
-            lines.append(f"  {label}: ratio 64x64 / 16x16 = {medians[64] / medians[16]:.2f}")
+        outside: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+        inside: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+        for _ in range(rounds):
+            for backbone, side in cases:
+                for _ in range(repeats if side == 16 else 1):
+                    o, i = image_iterations(network, side, row_end, SplitClock(), backbone)
+                    outside[backbone, side] += o
+                    inside[backbone, side] += i
+        medians = {case: statistics.median(times) for case, times in outside.items()}
+        layout = "row ends" if row_end else "no row ends"
+        for backbone, side in cases:
+            label = f"{layout}, {backbone}, {side}x{side}"
+            if backbone == "control":
+                label += f" and attention over {LONG_SIDE}x{LONG_SIDE}'s columns"
+            lines.append(f"  {label}: {len(outside[backbone, side])} iterations, outside the network "
+                         f"{1e6 * medians[backbone, side]:.0f} us/it, network "
+                         f"{1e6 * statistics.median(inside[backbone, side]):.0f} us/it")
+            if side == LONG_SIDE:
+                lines.append(f"  {layout}, {backbone}: ratio {side}x{side} / 16x16 = "
+                             f"{medians[backbone, side] / medians[backbone, 16]:.2f}")
+        lines.append(f"  {layout}, control: ratio to the decoder at 16x16 = "
+                     f"{medians['control', 16] / medians['decoder', 16]:.2f}")
     return lines
 
 
