@@ -53,14 +53,19 @@ def random_decoder(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def attention_shape(config: LlamaConfig) -> tuple[int, int, int]:
+    """(layers, key/value heads, head width) of a decoder with ``config``."""
+    return (config.num_hidden_layers, config.num_key_value_heads,
+            config.hidden_size // config.num_attention_heads)
+
+
 class CacheWritesOnly(nn.Module):
     """Stands in for a decoder: writes zero keys and values of its shapes into the cache, layer by
     layer, and returns its inputs as hidden states, so that only the session's own work is left."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.layers, self.heads = config.num_hidden_layers, config.num_key_value_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.layers, self.heads, self.head_dim = attention_shape(config)
 
     def forward(self, inputs_embeds: torch.Tensor, cache, **ignored) -> BaseModelOutputWithPast:
         rows, tokens, _ = inputs_embeds.shape
@@ -77,8 +82,8 @@ class AlsoAttendsLong(nn.Module):
 
     def __init__(self, decoder: nn.Module, config: LlamaConfig, rows: int, columns: int) -> None:
         super().__init__()
-        self.decoder, self.layers = decoder, config.num_hidden_layers
-        heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+        self.decoder = decoder
+        self.layers, heads, head_dim = attention_shape(config)
         generator = torch.Generator().manual_seed(columns)
         self.keys = torch.randn(rows, heads, columns, head_dim, generator=generator)
         self.values = torch.randn(rows, heads, columns, head_dim, generator=generator)
@@ -93,7 +98,9 @@ class AlsoAttendsLong(nn.Module):
 
 
 BACKBONES = ("decoder", "stand-in", "control")
-LONG_SIDE = 64  # the control attends over as many more columns as this image's codes and row ends
+# the image sizes compared; the control attends over as many more columns as the long image's
+# codes and row ends
+SHORT_SIDE, LONG_SIDE = 16, 64
 
 
 def decoder_parts(network: LlamaForCausalLM, row_end: bool, backbone: str = "decoder",
@@ -104,8 +111,11 @@ def decoder_parts(network: LlamaForCausalLM, row_end: bool, backbone: str = "dec
     if backbone not in BACKBONES:
         raise ValueError(f"backbone is {backbone!r}; allowed: {', '.join(BACKBONES)}.")
     embed = network.model.embed_tokens
-    layers = {"decoder": network.model, "stand-in": CacheWritesOnly(network.config)}.get(backbone)
-    if layers is None:
+    if backbone == "decoder":
+        layers = network.model
+    elif backbone == "stand-in":
+        layers = CacheWritesOnly(network.config)
+    else:
         columns = LONG_SIDE * (LONG_SIDE + int(row_end))
         layers = AlsoAttendsLong(network.model, network.config, rows, columns)
     return DecoderParts(backbone=layers, embed_tokens=embed,
@@ -171,15 +181,15 @@ def cache_scaling(network: LlamaForCausalLM, repeats: int, rounds: int = 2) -> l
     one 64x64 image of each case; interleaving them spreads a changing load on the machine over
     all cases.
     """
-    cases = [("decoder", 16), ("decoder", LONG_SIDE), ("stand-in", 16), ("stand-in", LONG_SIDE),
-             ("control", 16)]
+    cases = [("decoder", SHORT_SIDE), ("decoder", LONG_SIDE), ("stand-in", SHORT_SIDE),
+             ("stand-in", LONG_SIDE), ("control", SHORT_SIDE)]
     lines = []
     for row_end in (True, False):
         outside: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
         inside: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
         for _ in range(rounds):
             for backbone, side in cases:
-                for _ in range(repeats if side == 16 else 1):
+                for _ in range(repeats if side == SHORT_SIDE else 1):
                     o, i = image_iterations(network, side, row_end, SplitClock(), backbone)
                     outside[backbone, side] += o
                     inside[backbone, side] += i
@@ -193,10 +203,10 @@ def cache_scaling(network: LlamaForCausalLM, repeats: int, rounds: int = 2) -> l
                          f"{1e6 * medians[backbone, side]:.0f} us/it, network "
                          f"{1e6 * statistics.median(inside[backbone, side]):.0f} us/it")
             if side == LONG_SIDE:
-                lines.append(f"  {layout}, {backbone}: ratio {side}x{side} / 16x16 = "
-                             f"{medians[backbone, side] / medians[backbone, 16]:.2f}")
-        lines.append(f"  {layout}, control: ratio to the decoder at 16x16 = "
-                     f"{medians['control', 16] / medians['decoder', 16]:.2f}")
+                lines.append(f"  {layout}, {backbone}: ratio {side}x{side} / {SHORT_SIDE}x{SHORT_SIDE} = "
+                             f"{medians[backbone, side] / medians[backbone, SHORT_SIDE]:.2f}")
+        lines.append(f"  {layout}, control: ratio to the decoder at {SHORT_SIDE}x{SHORT_SIDE} = "
+                     f"{medians['control', SHORT_SIDE] / medians['decoder', SHORT_SIDE]:.2f}")
     return lines
 
 
