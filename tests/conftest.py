@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# A draw from weights that are all 0 raises in every test (and in the servers tests start),
+# instead of silently giving code 0 (``sjd_core.decoding.sampling.CHECK_DRAWS``).
+os.environ["SJD_CHECK_DRAWS"] = "1"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -33,3 +37,12 @@ class _RootAsFolder:
 def pytest_configure(config: pytest.Config) -> None:
     # A plugin object, unlike this file's own hooks, also applies to the root folder itself.
     config.pluginmanager.register(_RootAsFolder(), "sjd-root-as-folder")
+
+
+@pytest.fixture
+def unchecked_draws(monkeypatch):
+    """Draws without the all-zero check, for tests that count reads from the device or
+    operations (the check is one of each)."""
+    from sjd_core.decoding import sampling
+
+    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)

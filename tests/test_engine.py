@@ -200,7 +200,7 @@ _DeviceReads = HostReads  # counts every value read back from the device
 @pytest.mark.parametrize("preset,relaxed", [("ar", "none"), ("sjd", "none"), ("sjd", "gsd"),
                                             ("pac+vp", "none"), ("pac+vp", "gsd"),
                                             ("auto", "none")])
-def test_one_device_read_per_iteration(model, preset, relaxed):
+def test_one_device_read_per_iteration(model, preset, relaxed, unchecked_draws):
     overrides = {} if preset == "ar" else {"window": 8, "relaxed": relaxed}
     settings = AccelerationSettings.preset(preset, **overrides)
     reads = _DeviceReads()

@@ -204,7 +204,7 @@ def test_nucleus_floor_on_the_cpu_and_on_a_device_agree(rows, vocab):
         on_the_cpu = nucleus_floor(units, top_p)
         on_a_device = sampling._floor_of_sorted(torch.sort(units, dim=-1).values,
                                                  math.ceil(top_p / MASS_UNIT))
-        assert on_the_cpu.dtype == on_a_device.dtype == torch.int32
+        assert on_the_cpu.dtype == on_a_device.dtype == torch.int64
         assert torch.equal(units >= on_the_cpu, want), top_p
         assert torch.equal(units >= on_a_device, want), top_p
     assert (units == units[:, :1]).sum() > rows  # ties were there

@@ -11,13 +11,12 @@ device reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
 
-from .sampling import (MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, kth_largest, race_top,
-                       residual, sample)
+from .sampling import (MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, kth_largest, passes,
+                       race_top, residual, sample)
 from .settings import AccelerationSettings
 
 _MEAN_FLOOR = 1e-30  # past means below count as this: keeps growth finite where a code had 0
@@ -74,85 +73,6 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.parent.numel())
-
-    # Tables read every iteration, derived from the fields above once per tree, at first use.
-    @cached_property
-    def first_child(self) -> torch.Tensor:
-        """(T,) each node's first child, 0 for a leaf."""
-        return self.children[:, 0].clamp_min(0)
-
-    @cached_property
-    def has_child(self) -> torch.Tensor:
-        """(T,) bool."""
-        return self.children[:, 0] >= 0
-
-    @cached_property
-    def inner_children(self) -> torch.Tensor:
-        """(I, branching) the inner nodes' children, 0 where absent."""
-        return self.children.index_select(0, self.inner_nodes).clamp_min(0)
-
-    @cached_property
-    def inner_child_exists(self) -> torch.Tensor:
-        """(I, branching) bool."""
-        return self.children.index_select(0, self.inner_nodes) >= 0
-
-    @cached_property
-    def inner_choices(self) -> torch.Tensor:
-        """(I * (branching + 1),) per inner node its children by rank, 0 where absent, then 0
-        (none passed); :attr:`inner_choice_rows` indexes the node's part."""
-        none = torch.zeros_like(self.inner_children[:, :1])
-        return torch.cat([self.inner_children, none], 1).flatten()
-
-    @cached_property
-    def inner_choice_rows(self) -> torch.Tensor:
-        """(I, 1) where each inner node's part of :attr:`inner_choices` starts."""
-        rows = torch.arange(self.inner_nodes.numel(), device=self.parent.device)
-        return rows[:, None] * (self.branching + 1)
-
-    @cached_property
-    def inner_passes(self) -> torch.Tensor:
-        """(1, I, 1) bool, True: a test that every inner node passes, after its candidates."""
-        return torch.ones(1, self.inner_nodes.numel(), 1, dtype=torch.bool,
-                          device=self.parent.device)
-
-    @cached_property
-    def end_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What verification reads of the node where the accepted path ends, one row per node
-        in two tables, so that one selection of each fetches all of it.
-
-        int64 (T, 2W + 2): the route through the node, the node whose code was offset j's draft
-        (the route's next node; the last one again at the end), the node's depth and its place
-        among the inner nodes (0 for the others). bool (T, 2W + 2): the offsets before its depth,
-        the offset at its depth, whether it is an inner node, and whether it is not.
-        """
-        drafted = torch.cat([self.route[:, 1:], self.route[:, -1:]], 1)
-        depth, inner = self.depth[:, None], self.inner_index[:, None]
-        numbers = torch.cat([self.route, drafted, depth, inner.clamp_min(0)], 1)
-        flags = torch.cat([self.offsets < depth, self.offsets == depth, inner >= 0, inner < 0], 1)
-        return numbers, flags
-
-    @cached_property
-    def parent_or_root(self) -> torch.Tensor:
-        """(T,) each node's parent, 0 for the root."""
-        return self.parent.clamp_min(0)
-
-    @cached_property
-    def on_path_weights(self) -> torch.Tensor:
-        """(T, T) float32, 1 at [u, v] where u is v or an ancestor of v and not the root: v is
-        on the accepted path when no such u was left unchosen by its parent."""
-        weights = self.ancestors.T.to(torch.float32)
-        weights[0] = 0.0
-        return weights
-
-    @cached_property
-    def node_ids(self) -> torch.Tensor:
-        """(T,) 0 .. T-1."""
-        return torch.arange(self.size, device=self.parent.device)
-
-    @cached_property
-    def offsets(self) -> torch.Tensor:
-        """(window,) 0 .. window-1."""
-        return torch.arange(self.window, device=self.parent.device)
 
     @staticmethod
     def for_settings(settings: AccelerationSettings, device: torch.device) -> "DraftTree":
@@ -409,17 +329,17 @@ def _drafts_by_rule(rule: str, state: WindowState, fill: torch.Tensor, canvas: C
         if rule in ("above", "above_target"):
             above_slot = slot - canvas.width
             has_above = above_slot >= 0
-            above_committed = above_slot < canvas.committed[:, None]
+            above_committed = has_above & (above_slot < canvas.committed[:, None])
             committed_code = canvas.codes[canvas.row_start[:, None] + above_slot.clamp(0, canvas.slots)]
             drafted = torch.where(fill, tokens, state.tokens)  # the slot above may be new too
             in_window = drafted.gather(1, (offsets - canvas.width).clamp_min(0).expand(batch, -1))
             above = torch.where(above_committed, committed_code, in_window)
             above_q = copy_proposal(above, vocab, state.q.dtype)
             above_source = torch.full_like(tokens, ABOVE_INIT)
-            if rule == "above_target":
-                drawn, column = draw_from_target_above(canvas.targets_above(slot), uniforms)
-                above = torch.where(above_committed, drawn, above)
-                above_q = torch.where(above_committed[..., None], column, above_q)
+            if rule == "above_target":  # where the slot above has no target yet: its copy
+                column = torch.where(above_committed[..., None], canvas.targets_above(slot),
+                                     above_q)
+                above, above_q = draw_from_target_above(column, uniforms)
                 above_source = torch.where(above_committed, ABOVE_TARGET_INIT, ABOVE_INIT)
             tokens = torch.where(has_above, above, tokens)
             q = torch.where(has_above[..., None], above_q, q)
@@ -532,7 +452,8 @@ def shift_window(state: WindowState, source: torch.Tensor, in_range: torch.Tenso
 
 
 def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
-            settings: AccelerationSettings, uniforms: torch.Tensor) -> WindowState:
+            settings: AccelerationSettings, keep_test: torch.Tensor,
+            draw: torch.Tensor) -> WindowState:
     """New drafts for the uncommitted slots that have a (stale) target distribution.
 
     ``state`` is already shifted to the new window; ``targets`` (B, W, V) are the stale targets
@@ -541,8 +462,8 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     otherwise replaced by a draw from ``norm(max(0, q' - q_old))``, the maximal coupling, so the
     new draft is distributed exactly as q'. Either way the slot's q becomes the distribution the
     new draft follows (q' itself, never the unfused target: verifying VP drafts against the
-    target, as the SJD-VP paper appears to do, is not exact). ``uniforms`` (B, 2, W): the keep
-    tests and the draws. Slots without a target (new to the window) are drafted the same way,
+    target, as the SJD-VP paper appears to do, is not exact). ``keep_test`` and ``draw`` (B, W):
+    the uniforms of AC's keep tests and of the draws. Slots without a target (new to the window) are drafted the same way,
     from what the shift left there, and marked not ``fed``, so that the init rule drafts them
     before they are fed: no selection is spent on keeping what they held.
     """
@@ -552,10 +473,10 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
         fresh_source = VP_DRAW
     else:
         draw_from, fresh_source = targets, TARGET_DRAW
-    keep_test, draw = uniforms[:, 0], uniforms[:, 1]
     if settings.adaptive_continuation:
         old = state.tokens[..., None]
-        keep = keep_test * state.q.gather(-1, old).squeeze(-1) <= draw_from.gather(-1, old).squeeze(-1)
+        keep = passes(keep_test, draw_from.gather(-1, old).squeeze(-1),
+                      state.q.gather(-1, old).squeeze(-1))
         tokens = torch.where(keep, state.tokens, sample(residual(draw_from, state.q), draw))
         source = torch.where(keep, AC_KEPT, AC_REPLACED).to(torch.int8)
     else:

@@ -29,7 +29,7 @@ from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenMode
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     flat_rows, redraft, shift_window, take_rows
 from .planner import Plan, describe_shape, largest_shape, make_plan
-from .sampling import RowRandom, as_type, exponential, process, sample
+from .sampling import IterationUniforms, RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, acceptance_rule, verify_tree
@@ -140,25 +140,21 @@ class _Decoder:
         elif self.state.tokens.shape[1] != window:
             self.new_from = min(self.new_from, window)
             self.state = self.state.resized(window)
-        tests, draws = tree.size * tree.branching, 1 + 3 * window
-        uniforms = self.random.uniform(tests + draws + tree.tree_levels * vocab)
-        draws_at = tests + 1
-        self._initial_drafts(~self.state.fed,
-                             uniforms[:, draws_at + 2 * window:draws_at + 3 * window])
+        numbers = IterationUniforms.take(self.random, tree.size, tree.branching, window,
+                                         tree.tree_levels, vocab)
+        self._initial_drafts(~self.state.fed, numbers.init)
         node_tokens, node_valid, node_source = add_candidates(
-            self.state, tree, exponential(uniforms[:, tests + draws:]).view(batch, -1, vocab)
-            if tree.tree_levels else None)
+            self.state, tree, exponential(numbers.race) if tree.tree_levels else None)
         node_tokens[:, 0] = self.anchor
         node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
         cond, uncond = self.session.forward(node_tokens, node_slots, tree.host_ancestors,
                                             self.done, self.recorder.clock.mark)
         target = process(cond, uncond, self.sampling)
-        verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q,
-                              uniforms[:, :tests].reshape(batch, tree.size, tree.branching),
-                              uniforms[:, tests], self.rule,
+        verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q, numbers.tests,
+                              numbers.final, self.rule,
                               count_siblings=self.acceleration.adaptive_shape)
 
-        offsets = tree.offsets
+        offsets = torch.arange(window, device=self.device)
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)[:, None]  # (B, 1)
         tested = node_source.gather(1, verdict.drafted)
         sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
@@ -191,8 +187,7 @@ class _Decoder:
         moved_from = new_offsets.clamp_max(window - 1)
         shifted = shift_window(self.state, moved_from, has_target)
         stale = take_rows(target, flat_rows(verdict.path.gather(1, moved_from), tree.size))
-        self.state = redraft(shifted, stale, has_target, settings,
-                             uniforms[:, draws_at:draws_at + 2 * window].reshape(batch, 2, window))
+        self.state = redraft(shifted, stale, has_target, settings, numbers.keep, numbers.draw)
         previous = self.done
         if verdict.sibling_tests is None:
             self.done, self.siblings = self.committed.tolist(), (0, 0)

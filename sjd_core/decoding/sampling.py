@@ -9,7 +9,9 @@ meaning. Draws invert a CDF at a uniform, and candidates without replacement use
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,13 +54,14 @@ def as_type(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-MASS_UNIT = 2.0 ** -30  # top-p counts probability in whole units of this (a distribution < 2**31)
+MASS_UNIT = 2.0 ** -60  # top-p counts probability in whole units of this
 
 
 def mass_units(probabilities: torch.Tensor) -> torch.Tensor:
-    """Probabilities as whole ``MASS_UNIT`` s (int32, rounded down): sums of them are exact in
-    any order."""
-    return (as_type(probabilities, torch.float32) / MASS_UNIT).to(torch.int32)
+    """Probabilities as whole ``MASS_UNIT`` s (int64, rounded down): sums of them are exact in
+    any order, and a float32 probability of at least ``2**-37`` (7e-12) is counted exactly, so
+    that a long tail of tiny probabilities keeps its mass (at most one unit lost per code)."""
+    return (as_type(probabilities, torch.float32) / MASS_UNIT).to(torch.int64)
 
 
 _SORTED_BY_TORCH = 4096  # codes over all distributions: more are sorted by numpy on a CPU
@@ -100,7 +103,7 @@ def _floor_of_sorted(ascending: torch.Tensor, need: int) -> torch.Tensor:
     (0, all codes kept, when the units hold less than ``need`` in all; at most the last
     position, since ``need >= 1``). One search per distribution, no reversal of the order.
     """
-    running = ascending.cumsum(-1, dtype=torch.int32)  # at most 2**30 and a little: exact
+    running = ascending.cumsum(-1)  # int64, at most 2**60 and a little: exact
     position = torch.searchsorted(running, running[..., -1:] - need, right=True)
     return ascending.gather(-1, position)
 
@@ -134,15 +137,39 @@ def residual(p: torch.Tensor, q: torch.Tensor, where: torch.Tensor | None = None
     return normalise((p - q).clamp_min(0.0), p, where)
 
 
+class EmptyDistributionError(RuntimeError):
+    """A draw was asked of weights that are all 0 (only raised under ``CHECK_DRAWS``)."""
+
+
+CHECK_DRAWS = os.environ.get("SJD_CHECK_DRAWS") == "1"  # the tests turn this on
+
+
 def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per distribution along the last axis, by inverting its CDF at ``u`` in (0, 1].
 
     The smallest index whose cumulative mass reaches ``u`` times the total, so a code of
-    probability 0 is never drawn. ``u`` has the distributions' leading shape.
+    probability 0 is never drawn, and the weights need not be normalised. ``u`` has the
+    distributions' leading shape. Every caller passes weights with mass (an empty residual
+    falls back to its target first); with ``CHECK_DRAWS`` on, weights that are all 0 raise
+    :class:`EmptyDistributionError` (a read from the device, so only in tests) instead of giving
+    code 0.
     """
+    if CHECK_DRAWS and not bool((dist > 0).any(-1).all()):
+        raise EmptyDistributionError(f"a draw from weights that are all 0 (shape {tuple(dist.shape)})")
     cdf = dist.cumsum(-1)
     point = (u * cdf[..., -1])[..., None]
     return torch.searchsorted(cdf, point).squeeze(-1).clamp_max(dist.shape[-1] - 1)
+
+
+def passes(u: torch.Tensor, target_mass: torch.Tensor, draft_mass: torch.Tensor) -> torch.Tensor:
+    """The acceptance test of a draft: ``u <= p(x) / q(x)``, so it passes with probability
+    ``min(1, p(x) / q(x))`` for ``u`` uniform in (0, 1].
+
+    Written as a ratio rather than ``u * q(x) <= p(x)``: with a tiny ``q(x)`` the product can
+    round to 0 and pass a code of ``p(x) = 0``, while the ratio is 0 there, and NaN (no mass
+    on either side) fails.
+    """
+    return u <= target_mass / draft_mass
 
 
 def race_top(dist: torch.Tensor, noise: torch.Tensor, count: int) -> torch.Tensor:
@@ -193,6 +220,32 @@ class RowRandom:
         """Keep the streams of these rows only (the others' images are finished)."""
         self.generators = [self.generators[row] for row in rows]
         self.buffer = self.buffer[torch.tensor(list(rows), device=self.device)]
+
+
+@dataclass
+class IterationUniforms:
+    """The uniforms of one speculative iteration, by purpose, from each row's own stream."""
+
+    tests: torch.Tensor  # (B, T, K) one per candidate test, by parent node and rank
+    final: torch.Tensor  # (B,) the draw of the slot after the accepted path
+    keep: torch.Tensor  # (B, W) AC's tests of whether a slot keeps its old draft
+    draw: torch.Tensor  # (B, W) the redrafts' draws
+    init: torch.Tensor  # (B, W) the init rule's draws
+    race: torch.Tensor  # (B, levels, V) the PD candidates' race (see :func:`exponential`)
+
+    @staticmethod
+    def take(random: RowRandom, nodes: int, candidates: int, window: int, levels: int,
+             vocab: int) -> "IterationUniforms":
+        """The next numbers of every row's stream, for a tree of ``nodes`` nodes with at most
+        ``candidates`` per parent and ``levels`` levels of candidates, in a window of
+        ``window`` offsets over ``vocab`` codes. The amount depends only on that shape."""
+        shapes = {"tests": (nodes, candidates), "final": (), "keep": (window,),
+                  "draw": (window,), "init": (window,), "race": (levels, vocab)}
+        sizes = [math.prod(shape) for shape in shapes.values()]
+        block = random.uniform(sum(sizes))
+        parts = block.split(sizes, dim=1)
+        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape)
+                                    for (name, shape), part in zip(shapes.items(), parts)})
 
 
 def exponential(uniforms: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,27 @@
-"""Acceptance rules: the exact speculative test on a draft tree, and the relaxed LANTERN / GSD.
+"""Acceptance rules, and the verifier that decides which drafts of a fed tree are committed.
 
-Exact rule (``sjd_core/decoding/ALGORITHMS.md``, section 2): a draft ``x ~ q`` is accepted with
-probability ``min(1, p(x)/q(x))``, written ``u * q(x) <= p(x)`` with ``u`` uniform in (0, 1];
-after a rejection the slot is drawn from ``norm(max(0, p - q))`` and the result is distributed
-exactly as ``p``.
+Glossary (``sjd_core/decoding/ALGORITHMS.md``, sections 2 and 5, has the proofs):
 
-On a tree, each node's children are the ``K`` candidates of the next slot, drawn without
-replacement from that slot's q. They are tested in order by recursive rejection sampling without
-replacement (Jeon et al. 2024): after rejecting ``x_k``, ``p <- norm(max(0, p - q))`` and
-``q <- q`` without ``x_k``, renormalised; the first accepted child is taken; if none is, the slot
-is drawn from the final residual. A chain is the case ``K = 1``. Every parent of the tree is
-tested at once (a loop over the ``K`` candidate ranks builds the residuals, never one over slots),
-and the accepted path is read off with one product with the ancestor matrix.
+- *candidate*: a code drafted for a slot. A node's children are the candidates ``x_1 .. x_K`` of
+  the slot after it, drawn without replacement from that slot's draft distribution ``q``.
+- *target*: ``p``, the model's distribution for the slot after a node, given the path to it.
+- *accepted*: a candidate that passed its test ``u <= p_k(x_k) / q_k(x_k)``, ``u`` uniform in
+  (0, 1]. The candidates of a node are tested in order; the first accepted one is the node's
+  child on the *path*, which starts at the root and goes as deep as acceptances go.
+- *residual*: what rejections leave of the target, ``p_{k+1} = norm(max(0, p_k - q_k))`` with
+  ``q_{k+1}`` = ``q_k`` without ``x_k``, renormalised (recursive rejection sampling without
+  replacement, Jeon et al. 2024). Where no candidate of the path's last node passed, the slot
+  after it is drawn from the residual: by the exactness lemma the code committed there, accepted
+  or drawn, follows ``p``.
+- *bonus*: a draw from the target itself, after a path's last node whose children were not
+  tested (the end of the window, or a tree leaf).
+- *left over*: the residual kept as weights ``r_k = s_k * p_k`` that are not normalised
+  (``r_1 = p``). Once candidates ``1 .. k-1`` were rejected, step k rejects with probability
+  ``s_{k+1} / s_k``; so a residual whose sum is below ``MIN_MASS`` is reached with probability
+  below ``MIN_MASS``, and there the slot is drawn from the node's own target instead (the
+  *fallback*: it moves a slot's distribution by less than ``MIN_MASS``).
 
-Relaxed rules replace ``(p(x), q(x))`` in the test by larger masses; they are lossy.
+Relaxed rules (LANTERN, GSD) replace ``(p(x), q(x))`` in the test by larger masses; they are lossy.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftTree
-from .sampling import MIN_MASS, residual, sample
+from .sampling import normalise, passes, sample
 from .settings import AccelerationSettings
 
 ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
@@ -168,206 +176,210 @@ class _Test:
     probability: torch.Tensor  # (B, N) acceptance probability min(1, p/q) (read only where live)
 
 
-def check_candidate(rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor,
+def check_candidate(rule, p: torch.Tensor | None, q: torch.Tensor | None, x: torch.Tensor,
                     live: torch.Tensor, u: torch.Tensor, p_x: torch.Tensor,
                     q_x: torch.Tensor) -> _Test:
-    """Step k of recursive rejection sampling without replacement, for every parent at once.
+    """Test candidate ``x`` of every parent at once: accepted with probability
+    ``min(1, p_x / q_x)``, where it is ``live`` (it exists and is still in play).
 
-    At a parent whose children are candidates ``x_1 .. x_K`` of one slot, drawn without
-    replacement from the slot's draft distribution ``q``, with ``p`` the parent's target:
-
-        p_1 = p, q_1 = q
-        accept x_k with probability min(1, p_k(x_k) / q_k(x_k))
-        otherwise p_{k+1} = norm(max(0, p_k - q_k)), q_{k+1} = q_k without x_k, renormalised
-
-    Why it is exact (Jeon et al. 2024): given that ``x_1 .. x_{k-1}`` were rejected, ``x_k`` is
-    distributed as ``q_k`` (sampling without replacement), so step k is the single-draft test of
-    ``p_k`` against ``q_k``; by the exactness lemma a draw that passes step k, or failing it, the
-    rest of the procedure, is distributed as ``p_k``. By induction from k = K down (where the
-    remainder is a plain draw from ``p_{K+1}``), the child taken is distributed as ``p_1 = p``.
-
-    Here ``p``/``q`` are step k's distributions (``p`` only for relaxed rules, ``q`` only for
-    rules that read all of it; None otherwise),
-    ``x``/``live`` the candidate and whether it exists and is still in play, ``u`` its uniform in
-    (0, 1], and ``p_x``/``q_x`` the masses ``p_k(x)``/``q_k(x)``. ``rule`` may enlarge the two
-    masses (relaxed acceptance); the exact rule leaves them as they are.
+    ``p_x``/``q_x`` are the masses ``p_k(x)``/``q_k(x)`` of the step the candidate is tested at,
+    ``u`` its uniform in (0, 1]; ``p``/``q`` the whole distributions of that step for the
+    relaxed rules that read them (None otherwise). ``rule`` may enlarge the two masses (relaxed
+    acceptance); the exact rule leaves them as they are.
     """
     p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
-    accept = live & (u * q_mass <= p_mass)
-    probability = (p_mass / q_mass.clamp_min(1e-30)).clamp_max(1.0)
-    relaxed = accept & ~(u * q_x <= p_x) if rule.relaxes else None
-    return _Test(accept, relaxed, probability)
-
-
-def _masses(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return dist.gather(-1, x[..., None]).squeeze(-1)
+    accept = live & passes(u, p_mass, q_mass)
+    relaxed = accept & ~passes(u, p_x, q_x) if rule.relaxes else None
+    return _Test(accept, relaxed, (p_mass / q_mass).clamp_max(1.0))
 
 
 def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
-                node_valid: torch.Tensor, q_slots: torch.Tensor, uniforms: torch.Tensor,
+                node_valid: torch.Tensor, q_slots: torch.Tensor, test_uniforms: torch.Tensor,
                 final_uniform: torch.Tensor, rule, count_siblings: bool = False) -> Verdict:
-    """Test every parent's candidates, find the accepted path and draw the slot after it.
+    """Test every node's candidates, follow the accepted path and draw the slot after it.
 
-    ``p`` (B, T, V): target after each fed node; ``node_tokens``/``node_valid`` (B, T);
-    ``q_slots`` (B, W, V): draft distribution per window offset (W >= the tree's window);
-    ``uniforms`` (B, T, K): one per candidate; ``final_uniform`` (B,) for the last draw.
-
-    Every node's first candidate is tested at once with gathered masses (a chain is the case
-    K = 1). At the PD tree's inner nodes :func:`_later_candidates` tests candidates 2..K (the
-    only place full residual distributions are carried). The path follows the accepted child of
-    each node from the root. At its end the slot is drawn from what recursive rejection left
-    (the residual after the rejected candidates), or from the target itself when no candidate
-    was tested there (a bonus draw after a fully accepted chain). With ``count_siblings`` (for
-    ``auto``'s estimate of how often a further candidate passes) the verdict also counts, per
-    row, the candidates 2..K tested along the path and those that passed.
+    ``p`` (B, T, V): the target after each fed node; ``node_tokens``/``node_valid`` (B, T): the
+    fed codes and whether each is a candidate in play; ``q_slots`` (B, W, V): the draft
+    distribution of each window offset (W >= the tree's window); ``test_uniforms`` (B, T, K):
+    one per candidate, by its parent and rank; ``final_uniform`` (B,): the draw after the path.
+    With ``count_siblings`` (for ``auto``'s estimate of how often a further candidate passes)
+    the verdict also counts, per row, the candidates 2..K tested along the path and those that
+    passed.
     """
-    vocab = p.shape[-1]
-    x = node_tokens.index_select(1, tree.first_child)
-    live = tree.has_child & node_valid.index_select(1, tree.first_child)
     q_nodes = q_slots.index_select(1, tree.depth)  # a node's children fill the slot at its depth
-    q_x = _masses(q_nodes, x)
-    first = check_candidate(rule, p, q_nodes if rule.uses_q else None, x, live,
-                            uniforms[..., 0], _masses(p, x), q_x)
-    chosen = tree.first_child * first.accept  # the accepted child of every node, 0 for none
-    taken = first.probability  # probability of the accepting test, else of the first test
-    relaxed = first.relaxed
-    later = sibling_tests = None
-    if tree.branching > 1:
-        later = _later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms,
-                                  first, count_siblings)
-        sibling_tests = later.sibling_tests
-        chosen.index_copy_(1, tree.inner_nodes, later.chosen)
-        taken.index_copy_(1, tree.inner_nodes, later.taken)
-        if relaxed is not None:
-            relaxed.index_copy_(1, tree.inner_nodes, later.relaxed)
-
-    left = (chosen.index_select(1, tree.parent_or_root) != tree.node_ids)  # by the node's parent
-    on_path = (left.to(tree.on_path_weights.dtype) @ tree.on_path_weights) == 0
-    sibling_passes = None
-    if sibling_tests is not None:
+    tests = _test_every_node(tree, rule, p, q_nodes, node_tokens, node_valid, test_uniforms)
+    end, on_path = _path_end(tree, tests.chosen)
+    final = sample(_distribution_after(tree, end, tests, p, q_nodes), final_uniform)
+    verdict = _verdict(tree, end, final, tests, node_tokens, on_path)
+    if count_siblings and tests.siblings_tested is not None:
         inner_on_path = on_path.index_select(1, tree.inner_nodes)
-        sibling_passes = (later.sibling_passed & inner_on_path).sum(-1)
-        sibling_tests = (sibling_tests * inner_on_path).sum(-1)
-    deepest = torch.where(on_path, tree.depth, -1).argmax(-1, keepdim=True)  # (B, 1)
-    numbers, flags = (table.index_select(0, deepest[:, 0]) for table in tree.end_tables)
-    window = tree.window
-    path, drafted, accepted = numbers[:, :window], numbers[:, window:-2], numbers[:, -2]
-    before_end, at_end = flags[:, :window], flags[:, window:-2]
-
-    # the slot after the path is drawn from the residual left at its end: after the first
-    # candidate's rejection, or at an inner node after every live candidate's; the target itself
-    # where nothing was tested
-    tested_at_end = live.gather(1, deepest)  # (B, 1)
-    deepest_v = deepest[..., None].expand(-1, -1, vocab)
-    end_p, end_q = p.gather(1, deepest_v)[:, 0], q_nodes.gather(1, deepest_v)[:, 0]  # (B, V)
-    end_rejected = tested_at_end
-    if later is not None:
-        inner_end, outer_end = flags[:, -2:-1], flags[:, -1:]  # (B, 1)
-        at_inner_v = numbers[:, -1:, None].expand(-1, -1, vocab)
-        # there the rejections are already subtracted: the draw normalises what they left
-        end_p = torch.where(inner_end, later.left_over.gather(1, at_inner_v)[:, 0], end_p)
-        end_q = end_q * outer_end
-        end_rejected = end_rejected | inner_end
-    final_token = sample(residual(end_p, end_q, end_rejected), final_uniform)
-
-    tokens = torch.where(at_end, final_token[:, None], node_tokens.gather(1, drafted))
-    final_kind = torch.where(tested_at_end, RESIDUAL, BONUS)
-    accepted_kind = (ACCEPTED if relaxed is None
-                     else torch.where(relaxed.gather(1, path), RELAXED, ACCEPTED))
-    kinds = torch.where(before_end, accepted_kind, final_kind)
-    probability = torch.where(before_end | (at_end & tested_at_end), taken.gather(1, path),
-                              float("nan"))
-    return Verdict(path, accepted, tokens, kinds, probability, drafted, on_path, sibling_tests,
-                   sibling_passes)
+        verdict.sibling_tests = (tests.siblings_tested * inner_on_path).sum(-1)
+        verdict.sibling_passes = (tests.sibling_passed & inner_on_path).sum(-1)
+    return verdict
 
 
 @dataclass
-class _LaterCandidates:
-    """The PD tree's inner nodes after testing their candidates 2..K (each (B, I) unless said)."""
+class _NodeTests:
+    """Every fed node's candidates, tested (each (B, T) unless said)."""
 
-    chosen: torch.Tensor  # the accepted child, 0 for none
-    taken: torch.Tensor  # probability of the accepting test, else of the first test
-    relaxed: torch.Tensor | None  # accepted only because the rule is relaxed
-    sibling_tests: torch.Tensor | None  # candidates 2..K tested (those before the accepted
-    # one); None when not asked for
-    sibling_passed: torch.Tensor | None  # whether one of candidates 2..K passed; None when
-    # not asked for
-    left_over: torch.Tensor  # (B, I, V) what every live candidate's rejection left of the
-    # target, not normalised: where no candidate passed, the slot is drawn from it
+    chosen: torch.Tensor  # the node's accepted child, 0 where none passed
+    probability: torch.Tensor  # acceptance probability of the test that passed, else the first's
+    relaxed: torch.Tensor | None  # the child passed only because the rule is relaxed
+    tested: torch.Tensor  # whether the node's first candidate was tested
+    left_over: torch.Tensor | None = None  # (B, I, V) the inner nodes' residual weights after
+    # every live candidate's rejection: where none passed, the slot is drawn from them
+    siblings_tested: torch.Tensor | None = None  # (B, I) candidates 2..K tested
+    sibling_passed: torch.Tensor | None = None  # (B, I) whether one of candidates 2..K passed
+
+    def take(self, test: _Test, child: torch.Tensor) -> None:
+        """Where ``test`` accepted, its candidate ``child`` is the node's child on the path."""
+        self.chosen = torch.where(test.accept, child, self.chosen)
+        self.probability = torch.where(test.accept, test.probability, self.probability)
+        if self.relaxed is not None:
+            self.relaxed = torch.where(test.accept, test.relaxed, self.relaxed)
 
 
-def _later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
-                      node_tokens: torch.Tensor, node_valid: torch.Tensor,
-                      uniforms: torch.Tensor, first: _Test, count_siblings: bool
-                      ) -> _LaterCandidates:
-    """Recursive rejection at every inner node, candidates 2..K tested in one call.
+def _mass_at(dist: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dist[..., x]`` for one code ``x`` per distribution."""
+    return dist.gather(-1, x[..., None]).squeeze(-1)
 
-    Candidate k is only reached after 1..k-1 were rejected, so its distributions are
-    ``p_k``/``q_k`` of that chain of rejections whatever the tests said: they are built for every
-    inner node (a live candidate always counts as rejected; where an earlier one passed, the
-    values are never read), then all K - 1 tests run at once and each node takes its first
-    passing candidate.
 
-    The chain is kept as unnormalised weights ``r_k = s_k * p_k`` (``s_k`` their sum, ``r_1 =
-    p``): ``r_{k+1} = max(0, r_k - (s_k / left_k) * q)``, with ``left_k`` the draft mass of the
-    candidates not yet drawn. ``q`` need not lose the drawn candidates: a candidate the exact
-    rule rejected has ``p_k(x) < q_k(x)``, so its weight is 0 from then on, and subtracting more
-    there changes nothing (the same holds for LANTERN, whose masses only add target mass; GSD,
-    which reads ``q_k`` whole and can reject a code that ``p`` favours, removes them). Where a
-    candidate is not live the factor is 0 and the weights stay as they were (candidates are live
-    up to a point, so the chain stops there); after the last candidate they are what the slot is
-    drawn from when none passed.
+def _test_every_node(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
+                     node_tokens: torch.Tensor, node_valid: torch.Tensor,
+                     uniforms: torch.Tensor) -> _NodeTests:
+    """Every node's first candidate against the node's target and its slot's draft
+    distribution (a chain is the case K = 1); then, at the tree's inner nodes, candidates 2..K
+    (:func:`_test_later_candidates`)."""
+    first_child = tree.children[:, 0]  # -1 for a leaf
+    x = node_tokens.index_select(1, first_child.clamp_min(0))
+    live = (first_child >= 0) & node_valid.index_select(1, first_child.clamp_min(0))
+    first = check_candidate(rule, p, q_nodes if rule.uses_q else None, x, live,
+                            uniforms[..., 0], _mass_at(p, x), _mass_at(q_nodes, x))
+    tests = _NodeTests(torch.where(first.accept, first_child, 0), first.probability,
+                       first.relaxed, live)
+    if tree.branching > 1:
+        _test_later_candidates(tree, rule, p, q_nodes, node_tokens, node_valid, uniforms, tests)
+    return tests
+
+
+def _test_later_candidates(tree: DraftTree, rule, p: torch.Tensor, q_nodes: torch.Tensor,
+                           node_tokens: torch.Tensor, node_valid: torch.Tensor,
+                           uniforms: torch.Tensor, tests: _NodeTests) -> None:
+    """Candidates 2..K of every inner node, rank by rank, by recursive rejection; the first
+    that passes becomes the node's child in ``tests``.
+
+    Candidate k is reached only after candidates 1..k-1 were rejected, so it is tested against
+    the target and draft that chain of rejections leaves, whatever the earlier tests said (where
+    one of them passed, the later results are never taken).
     """
     inner = tree.inner_nodes
-    batch, (count, branching) = p.shape[0], tree.inner_children.shape
-    kids = tree.inner_children.flatten()
-    candidates = node_tokens.index_select(1, kids).view(batch, count, branching)
-    live = tree.inner_child_exists & node_valid.index_select(1, kids).view(batch, count, branching)
-    weights, draft = p.index_select(1, inner), q_nodes.index_select(1, inner)
-    draft_at = draft.gather(-1, candidates)  # (B, I, K) q(x_k)
-    # (B, I, K) the draft mass left for candidate k: 1 - q(x_1) - ... - q(x_{k-1})
-    left = (draft_at - draft_at.cumsum(-1)).add_(1.0).clamp_min_(MIN_MASS)
-    factor = live / left  # r_k's sum times this scales q to q_k (0 where not live)
-    # (B, I, 1) views per candidate, made in one operation each
-    factors, candidate_at = factor[..., None].unbind(2), candidates[..., None].unbind(2)
-    mass = None  # s_1 = 1
-    target_weights, sums, targets, drafts = [], [], [], []
-    for k in range(branching):
-        scale = factors[k] if mass is None else factors[k] * mass
-        weights = torch.addcmul(weights, draft, scale, value=-1.0).clamp_min_(0.0)
-        mass = weights.sum(-1, keepdim=True)
-        if rule.uses_q:
-            draft = draft.scatter(-1, candidate_at[k], 0.0)
-        if k + 1 < branching:
-            target_weights.append(weights.gather(-1, candidate_at[k + 1]))
-            sums.append(mass)
-            if rule.relaxes:
-                targets.append(weights / mass.clamp_min(MIN_MASS))
-            if rule.uses_q:
-                drafts.append(draft / left[..., k + 1:k + 2])
-    x_later = candidates[..., 1:]
-    test = check_candidate(rule, torch.stack(targets, dim=2) if rule.relaxes else None,
-                           torch.stack(drafts, dim=2) if rule.uses_q else None,
-                           x_later, live[..., 1:], uniforms.index_select(1, inner)[..., 1:],
-                           torch.cat(target_weights, -1) / torch.cat(sums, -1).clamp_min_(MIN_MASS),
-                           (draft_at / left)[..., 1:])
-    # each inner node's first passing candidate, K when none passed: candidate 1's test, the
-    # later ones', then a column that always passes; what is taken from each test is laid out
-    # the same way, with the first test's again where none passed
-    first_accepted = first.accept.index_select(1, inner)[..., None]
-    first_taken = first.probability.index_select(1, inner)[..., None]
-    rank = torch.cat([first_accepted, test.accept, tree.inner_passes.expand(batch, -1, -1)],
-                     -1).to(torch.int8).argmax(-1, keepdim=True)  # (B, I, 1)
-    chosen = tree.inner_choices.take(rank + tree.inner_choice_rows)[..., 0]
-    taken = torch.cat([first_taken, test.probability, first_taken], -1).gather(-1, rank)[..., 0]
-    relaxed = None
-    if first.relaxed is not None:
-        first_relaxed = first.relaxed.index_select(1, inner)[..., None]
-        relaxed = torch.cat([first_relaxed, test.relaxed, first_relaxed], -1).gather(
-            -1, rank)[..., 0]
-    sibling_tests = sibling_passed = None
-    if count_siblings:
-        rank = rank[..., 0]
-        sibling_tests = torch.where(rank < branching, rank, live[..., 1:].sum(-1))
-        sibling_passed = (rank > 0) & (rank < branching)
-    return _LaterCandidates(chosen, taken, relaxed, sibling_tests, sibling_passed, weights)
+    children = tree.children.index_select(0, inner)  # (I, K), -1 where absent
+    candidates = node_tokens[:, children.clamp_min(0)]  # (B, I, K)
+    live = (children >= 0) & node_valid[:, children.clamp_min(0)]
+    uniforms = uniforms.index_select(1, inner)
+    chain = _Rejections(p.index_select(1, inner), q_nodes.index_select(1, inner))
+    node = _NodeTests(tests.chosen.index_select(1, inner), tests.probability.index_select(1, inner),
+                      None if tests.relaxed is None else tests.relaxed.index_select(1, inner),
+                      tests.tested.index_select(1, inner))
+    searching = node.chosen == 0
+    siblings_tested, sibling_passed = torch.zeros_like(node.chosen), torch.zeros_like(searching)
+    for rank in range(1, tree.branching):
+        chain.reject(candidates[..., rank - 1], live[..., rank - 1])
+        tested = live[..., rank] & searching
+        test = chain.test(rule, candidates[..., rank], tested, uniforms[..., rank])
+        node.take(test, children[:, rank])
+        siblings_tested += tested
+        sibling_passed |= test.accept
+        searching &= ~test.accept
+    chain.reject(candidates[..., -1], live[..., -1])
+    tests.chosen = tests.chosen.index_copy(1, inner, node.chosen)
+    tests.probability = tests.probability.index_copy(1, inner, node.probability)
+    if tests.relaxed is not None:
+        tests.relaxed = tests.relaxed.index_copy(1, inner, node.relaxed)
+    tests.left_over, tests.siblings_tested, tests.sibling_passed = (chain.target, siblings_tested,
+                                                                   sibling_passed)
+
+
+class _Rejections:
+    """Recursive rejection without replacement at every inner node at once.
+
+    Holds the target left, ``r_k = s_k * p_k`` (not normalised, ``r_1 = p``, ``s_k`` its sum),
+    and the draft left, ``q`` without the candidates drawn so far (not normalised: its sum
+    ``left_k`` is the draft mass of the codes not yet drawn, and ``q_k`` = draft / ``left_k``).
+    Both sums are direct sums, never one minus the mass drawn, which cancels when a candidate
+    held almost all of it.
+    """
+
+    def __init__(self, target: torch.Tensor, draft: torch.Tensor) -> None:
+        self.target, self.draft = target, draft
+        self._sums()
+
+    def _sums(self) -> None:
+        self.mass = self.target.sum(-1, keepdim=True)  # s_k
+        self.left = self.draft.sum(-1, keepdim=True)  # left_k
+
+    def test(self, rule, x: torch.Tensor, live: torch.Tensor, u: torch.Tensor) -> _Test:
+        """Candidate ``x`` (B, I) against ``p_k(x) = r_k(x) / s_k`` and ``q_k(x)``."""
+        return check_candidate(rule, self.target / self.mass if rule.relaxes else None,
+                               self.draft / self.left if rule.uses_q else None, x, live, u,
+                               _mass_at(self.target, x) / self.mass[..., 0],
+                               _mass_at(self.draft, x) / self.left[..., 0])
+
+    def reject(self, x: torch.Tensor, live: torch.Tensor) -> None:
+        """Candidate ``x`` (B, I), drawn from ``q_k``, was rejected where ``live``:
+        ``r_{k+1} = max(0, r_k - s_k * q_k)``, and ``x`` leaves the draft. Candidates are live up
+        to a point, so past it the draft is never read again."""
+        scale = torch.where(live[..., None], self.mass / self.left, 0.0)  # s_k / left_k
+        self.target = torch.addcmul(self.target, self.draft, scale, value=-1.0).clamp_min_(0.0)
+        self.draft = self.draft.scatter(-1, x[..., None], 0.0)
+        self._sums()
+
+
+def _path_end(tree: DraftTree, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted path's last node (B,) and its nodes (B, T): a node is on the path when it
+    and each of its ancestors below the root is its parent's chosen child."""
+    node_ids = torch.arange(tree.size, device=chosen.device)
+    chosen_by_parent = chosen.index_select(1, tree.parent.clamp_min(0)) == node_ids
+    chosen_by_parent[:, 0] = True  # the root starts every path
+    on_path = ~((~chosen_by_parent)[:, None, :] & tree.ancestors).any(-1)
+    end = torch.where(on_path, tree.depth, -1).argmax(-1)
+    return end, on_path
+
+
+def _row_at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[b, index[b]]`` (B, V) of ``values`` (B, N, V)."""
+    return values.gather(1, index[:, None, None].expand(-1, 1, values.shape[-1]))[:, 0]
+
+
+def _distribution_after(tree: DraftTree, end: torch.Tensor, tests: _NodeTests, p: torch.Tensor,
+                        q_nodes: torch.Tensor) -> torch.Tensor:
+    """What the slot after the path's last node ``end`` (B,) is drawn from (B, V): the residual
+    its rejected candidates left, or its target where none was tested (a bonus draw) and where
+    the residual is empty (the fallback of the glossary)."""
+    target = _row_at(p, end)
+    tested = tests.tested.gather(1, end[:, None])
+    weights = torch.where(tested, (target - _row_at(q_nodes, end)).clamp_min(0.0), target)
+    if tests.left_over is not None:
+        place = tree.inner_index.index_select(0, end)  # -1 for a node that is not inner
+        weights = torch.where((place >= 0)[:, None],
+                              _row_at(tests.left_over, place.clamp_min(0)), weights)
+    return normalise(weights, target)
+
+
+def _verdict(tree: DraftTree, end: torch.Tensor, final: torch.Tensor, tests: _NodeTests,
+             node_tokens: torch.Tensor, on_path: torch.Tensor) -> Verdict:
+    """The codes committed along the path that ends at ``end``, then ``final``, and how each
+    was committed."""
+    path = tree.route.index_select(0, end)  # (B, W): the path, then the stale route below it
+    accepted = tree.depth.index_select(0, end)
+    drafted = torch.cat([path[:, 1:], path[:, -1:]], 1)  # offset j's draft: the path's next node
+    offsets = torch.arange(tree.window, device=end.device)
+    before_end, at_end = offsets < accepted[:, None], offsets == accepted[:, None]
+    tokens = torch.where(at_end, final[:, None], node_tokens.gather(1, drafted))
+    tested_at_end = tests.tested.gather(1, end[:, None])
+    accepted_kind = (ACCEPTED if tests.relaxed is None
+                     else torch.where(tests.relaxed.gather(1, path), RELAXED, ACCEPTED))
+    kinds = torch.where(before_end, accepted_kind, torch.where(tested_at_end, RESIDUAL, BONUS))
+    probability = torch.where(before_end | (at_end & tested_at_end),
+                              tests.probability.gather(1, path), float("nan"))
+    return Verdict(path, accepted, tokens, kinds, probability, drafted, on_path)
