@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from sjd_core.tools import gpu_check
 
 torch.set_num_threads(1)
+# the all-zero check of every draw is a read and four operations: off here
+pytestmark = pytest.mark.usefixtures("unchecked_draws")
 
 
 def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):

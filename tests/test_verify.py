@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sjd_core.decoding.drafting import DraftTree
-from sjd_core.decoding.settings import AccelerationSettings
-from sjd_core.decoding.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance, acceptance_rule,
-                             nearest_codes, verify_tree)
+from exactness import goodness_of_fit
+from sjd_core.decoding import sampling, verify
+from sjd_core.decoding.drafting import DraftTree, WindowState, add_candidates
+from sjd_core.decoding.sampling import exponential, process, sample
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.verify import (ExactAcceptance, GsdAcceptance, LanternAcceptance,
+                                      acceptance_rule, nearest_codes, verify_tree)
 
 VOCAB = 12
 
@@ -124,3 +127,125 @@ def test_relaxed_acceptance_without_codebook_embeddings_is_refused():
     with pytest.raises(ValueError, match="relaxed='gsd' needs the model's codebook embeddings"):
         acceptance_rule(AccelerationSettings(window=4, relaxed="gsd"), None)
     assert isinstance(acceptance_rule(AccelerationSettings(window=4), None), ExactAcceptance)
+
+
+# ------------------------------------------------------------------ one PD node, peaky drafts
+def _committed_at_one_node(p: torch.Tensor, q: torch.Tensor, candidates: int, samples: int,
+                           seed: int) -> torch.Tensor:
+    """(samples,) the code committed after the root of a PD node with target ``p`` and draft
+    distribution ``q`` (V,): ``candidates`` drawn without replacement by the engine's own
+    drafting, tested by :func:`verify_tree`; by the exactness lemma it follows ``p``."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = p.numel()
+    tree = DraftTree.build(2, (candidates,), torch.device("cpu"))
+    q_window = q.expand(samples, 2, vocab).contiguous()
+    first = sample(q_window[:, 0], 1 - torch.rand(samples, generator=g))
+    state = WindowState(torch.stack([first, first], 1), q_window,
+                        torch.zeros(samples, 2, dtype=torch.int8),
+                        torch.ones(samples, 2, dtype=torch.bool))
+    race = exponential(1 - torch.rand(samples, 1, vocab, generator=g))
+    node_tokens, node_valid, _ = add_candidates(state, tree, race)
+    verdict = verify_tree(tree, p.expand(samples, tree.size, vocab), node_tokens, node_valid,
+                          q_window, 1 - torch.rand(samples, tree.size, candidates, generator=g),
+                          1 - torch.rand(samples, generator=g), ExactAcceptance())
+    return verdict.tokens[:, 0]
+
+
+NODE_SAMPLES = 200_000
+PEAKY_DRAFTS = {"q(x_1) = 1 - 4e-9": [1 - 4e-9, 2e-9, 2e-9],
+                "q(x_1) = 1 - 4e-7": [1 - 4e-7, 2e-7, 2e-7]}
+NODE_TARGETS = {"almost all on code 1": [1e-9, 1 - 2e-9, 1e-9], "spread": [0.2, 0.5, 0.3]}
+
+
+@pytest.mark.parametrize("draft", list(PEAKY_DRAFTS))
+@pytest.mark.parametrize("target", list(NODE_TARGETS))
+def test_one_pd_node_commits_the_target_s_frequencies_under_a_peaky_draft(draft, target):
+    """Two candidates drawn from a draft whose first code holds all but 4e-9 (or 4e-7) of the
+    mass: the committed code's frequencies are the target's (chi-square p > 1e-3 over 200,000
+    draws). ``1 - q(x_1)`` in float32 is 0 for the first draft and 4% off for the second."""
+    p = torch.tensor(NODE_TARGETS[target])
+    codes = _committed_at_one_node(p, torch.tensor(PEAKY_DRAFTS[draft]), 2, NODE_SAMPLES, seed=3)
+    frequency = torch.bincount(codes, minlength=3).double() / NODE_SAMPLES
+    value = goodness_of_fit(codes, p.double())
+    print(f"\none node, {draft}, target {target}: frequencies {frequency.tolist()}, "
+          f"p = {value:.3g}")
+    assert value > 1e-3
+
+
+def test_one_pd_node_with_the_left_mass_by_cancellation_is_rejected():
+    """The old formula ``1 - q(x_1)`` (float32, clamped to 1e-12) in the same test: rejected."""
+    from test_exactness import _LeftMassByCancellation
+
+    exact = verify._Rejections
+    verify._Rejections = _LeftMassByCancellation
+    try:
+        p = torch.tensor(NODE_TARGETS["spread"])
+        codes = _committed_at_one_node(p, torch.tensor(PEAKY_DRAFTS["q(x_1) = 1 - 4e-9"]), 2,
+                                       NODE_SAMPLES, seed=3)
+    finally:
+        verify._Rejections = exact
+    frequency = torch.bincount(codes, minlength=3).double() / NODE_SAMPLES
+    value = goodness_of_fit(codes, p.double())
+    print(f"\none node, left mass by cancellation: frequencies {frequency.tolist()}, p = {value:.3g}")
+    assert value < 1e-6
+
+
+def test_an_empty_residual_draws_from_the_node_s_target_never_code_0():
+    """A target that is the draft scaled by a rounding (``1 - 2**-20``, exact in float32), and
+    uniforms of 1: every candidate is rejected, and what the rejections leave is 0 everywhere.
+    The slot is drawn from ``p`` (the fallback), never code 0 (which ``p`` gives probability
+    0), on a chain and at a PD node, and no draw is made from weights that are all 0
+    (``CHECK_DRAWS`` is on in the tests)."""
+    assert sampling.CHECK_DRAWS
+    q = torch.tensor([0.0, 0.5, 0.25, 0.25])
+    p = q * (1 - 2.0 ** -20)
+    samples = 4000
+    for candidates in (1, 2):
+        tree = DraftTree.build(2, (candidates,) if candidates > 1 else (), torch.device("cpu"))
+        node_tokens = torch.tensor([0, 1, 2][:tree.size]).expand(samples, -1)
+        verdict = verify_tree(tree, p.expand(samples, tree.size, 4), node_tokens,
+                              torch.ones(samples, tree.size, dtype=torch.bool),
+                              q.expand(samples, 2, 4), torch.ones(samples, tree.size, candidates),
+                              1 - torch.rand(samples, generator=torch.Generator().manual_seed(2)),
+                              ExactAcceptance())
+        assert int(verdict.accepted.max()) == 0  # every candidate was rejected
+        codes = verdict.tokens[:, 0]
+        assert int((codes == 0).sum()) == 0, candidates
+        assert goodness_of_fit(codes, p.double()) > 1e-3, candidates
+
+
+def test_a_draw_from_weights_that_are_all_0_is_an_error_in_tests():
+    assert sampling.CHECK_DRAWS
+    with pytest.raises(sampling.EmptyDistributionError):
+        sample(torch.tensor([[0.2, 0.8], [0.0, 0.0]]), torch.tensor([0.5, 0.5]))
+    assert sample(torch.tensor([[0.2, 0.8], [0.0, 3.0]]), torch.tensor([0.5, 0.5])).tolist() == [1, 1]
+
+
+def _half_precision_logits(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target and a draft distribution over 16,384 codes from logits in ``dtype``, as a real
+    model gives them on a GPU: a few likely codes and a long tail of codes near 1e-9; the
+    draft's first code holds all but a few 1e-7 of its mass."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 16_384
+    target = -21.0 + 0.5 * torch.randn(vocab, generator=g)
+    target[:4] = torch.tensor([0.0, -0.6, -1.4, -3.0])
+    draft = -25.0 + 0.5 * torch.randn(vocab, generator=g)
+    draft[:4] = torch.tensor([2.0, -14.0, -15.0, -16.0])
+    p, q = (process(logits.to(dtype)[None], None, SamplingSettings())[0] for logits in (target, draft))
+    return p, q
+
+
+@pytest.mark.parametrize("dtype,candidates", [(torch.bfloat16, 2), (torch.float16, 3),
+                                              (torch.bfloat16, 4)])
+def test_half_precision_logits_over_16384_codes_stay_exact(dtype, candidates):
+    """The committed code follows the target computed from half-precision logits (chi-square
+    p > 1e-3 over 10,000 draws, the tail pooled): the draft mass left after its first code is
+    summed, not cancelled."""
+    p, q = _half_precision_logits(dtype, seed=candidates)
+    assert float(1 - q.double().max()) < 1e-6 and float(p[p > 0].min()) < 2e-9
+    codes = torch.cat([_committed_at_one_node(p, q, candidates, 1000, seed=chunk)
+                       for chunk in range(10)])
+    value = goodness_of_fit(codes, p.double())
+    print(f"\n{dtype}, K = {candidates}: code frequencies {torch.bincount(codes)[:4].tolist()} "
+          f"of {len(codes)}, p = {value:.3g}")
+    assert value > 1e-3

@@ -188,9 +188,10 @@ def check_candidate(rule, p: torch.Tensor | None, q: torch.Tensor | None, x: tor
     acceptance); the exact rule leaves them as they are.
     """
     p_mass, q_mass = rule.masses(p, q, x, p_x, q_x)
-    accept = live & passes(u, p_mass, q_mass)
+    ratio = p_mass / q_mass
+    accept = live & (u <= ratio)  # as :func:`~.sampling.passes` tests it
     relaxed = accept & ~passes(u, p_x, q_x) if rule.relaxes else None
-    return _Test(accept, relaxed, (p_mass / q_mass).clamp_max(1.0))
+    return _Test(accept, relaxed, ratio.clamp_max(1.0))
 
 
 def verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,
