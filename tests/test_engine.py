@@ -426,3 +426,20 @@ def test_auto_whose_clock_fails_feeds_a_fixed_window_and_says_so(model, monkeypa
     shapes = [result.trace.meta["shapes"][i] for i in result.trace.shape_per_iteration]
     assert start < len(shapes) and set(shapes[start:]) == {"window 8"}
     assert len(calls) == 4  # no further timing once it stopped
+
+
+@pytest.mark.parametrize("codebook", [1, 2, 3])
+def test_auto_runs_on_any_codebook_with_at_most_as_many_candidates_as_codes(codebook):
+    """The ``auto`` preset tries 3 candidates per slot; on a smaller codebook it tries as many
+    as there are codes (none but the draft on one code), and greedy codes are still AR's. A
+    fixed mode that asks for more candidates than codes is refused (test_bad_input.py)."""
+    small = SyntheticModel(codebook_size=codebook, grid=(3, 4), width=16, layers=1,
+                           sharpness=2.0, seed=2)
+    reference = generate(small, request(2), GREEDY, AccelerationSettings(window=1), seed=0).codes
+    result = generate(small, request(2), GREEDY, AccelerationSettings.preset("auto"), seed=0)
+    assert torch.equal(result.codes, reference)
+    used = result.trace.meta["acceleration"]
+    assert used["pd_candidates"] <= codebook
+    assert used["proactive_drafting"] == (codebook > 1)
+    with pytest.raises(ValueError, match=r"pd_candidates=3 .* at most the model's codebook"):
+        AccelerationSettings.preset("pac", pd_candidates=3).for_codebook(2)

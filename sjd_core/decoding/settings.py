@@ -200,6 +200,16 @@ class AccelerationSettings:
                      f"pd_candidates={self.pd_candidates}, pd_depth={self.pd_depth} and "
                      f"window={self.window} would feed {nodes:,}; lower pd_candidates or pd_depth")
 
+    def for_codebook(self, codebook_size: int) -> "AccelerationSettings":
+        """These settings on a model of ``codebook_size`` codes: ``auto`` tries at most as many
+        candidates per slot as there are codes (no tree on a codebook of one code); a fixed
+        mode with more PD candidates than codes is refused (:meth:`check_codebook`)."""
+        if self.adaptive_shape and self.proactive_drafting and self.pd_candidates > codebook_size:
+            return replace(self, pd_candidates=codebook_size,
+                           proactive_drafting=codebook_size >= 2)
+        self.check_codebook(codebook_size)
+        return self
+
     def check_codebook(self, codebook_size: int) -> None:
         """Refuse what a model with ``codebook_size`` codes cannot draft (before any work)."""
         if self.proactive_drafting:
