@@ -458,7 +458,7 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
 
     ``state`` is already shifted to the new window; ``targets`` (B, W, V) are the stale targets
     where ``has_target``. Without AC each draft is drawn afresh from the draw distribution (the
-    target, or VP's q'); with AC the old draft is kept when ``u * q_old(d) <= q'(d)`` and
+    target, or VP's q'); with AC the old draft is kept when ``u <= q'(d) / q_old(d)`` and
     otherwise replaced by a draw from ``norm(max(0, q' - q_old))``, the maximal coupling, so the
     new draft is distributed exactly as q'. Either way the slot's q becomes the distribution the
     new draft follows (q' itself, never the unfused target: verifying VP drafts against the

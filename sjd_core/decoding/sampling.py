@@ -205,7 +205,7 @@ class RowRandom:
         self.used = 0
 
     def uniform(self, count: int) -> torch.Tensor:
-        """(B, count) uniforms in (0, 1] (never 0, so ``u * q <= p`` needs ``p > 0``)."""
+        """(B, count) uniforms in (0, 1] (never 0, so ``u <= p / q`` needs ``p > 0``)."""
         if self.used + count > self.buffer.shape[1]:
             size = max(self.block, count)
             fresh = torch.empty(len(self.generators), size, device=self.device)

@@ -55,7 +55,7 @@ class LanternAcceptance:
 
     ``A(x)`` = the ``k`` codes nearest to ``x`` in the codebook's latent space, taken in order of
     distance while their cumulative target mass stays ``<= delta``. Accept if
-    ``u * q(x) <= p(x) + p(A(x))``. Never accepts less often than the exact rule on the same
+    ``u <= (p(x) + p(A(x))) / q(x)``. Never accepts less often than the exact rule on the same
     uniforms; adds at most ``delta`` of mass; ``delta = 0`` is the exact rule.
     """
 
@@ -79,7 +79,7 @@ class GsdAcceptance:
     The rule implemented: ``G(x)`` = ``x`` plus the codes whose rank in ``p`` is within
     ``rank_radius`` of ``x``'s rank, whose probability differs from ``p(x)`` by less than
     ``prob_tolerance`` and whose unit-normalised codebook embedding is within squared distance
-    ``embedding_tolerance`` of ``x``'s. Accept if ``u * sum_G q <= sum_G p``; on rejection the
+    ``embedding_tolerance`` of ``x``'s. Accept if ``u <= sum_G p / sum_G q``; on rejection the
     usual residual. Defaults follow the published code: radius 7, 0.15, 0.5.
     """
 
