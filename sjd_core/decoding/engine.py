@@ -297,7 +297,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     per iteration, for the reference benchmark). Runs in inference mode (no autograd and no
     version counts, which makes each small tensor operation cheaper). Before the prefill it
     refuses (ValueError) a bad seed, batch size or prompt type, more PD candidates than the
-    codebook has codes in a fixed mode (``auto`` tries fewer instead), and a batch whose decoding state would not fit in the device's memory.
+    codebook has codes in a fixed mode (``auto`` tries fewer instead), and a batch whose
+    decoding state would not fit in the device's memory.
     """
     _check_arguments(request, seed)
     acceleration = acceleration.for_codebook(model.codebook_size)
