@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..sjd_core.files import list_folder
+from ..sjd_core.messages import quote
 from ..sjd_core.models.reference.adapter import WEIGHTS_DIR
 from . import comfy_bridge
 
@@ -15,22 +17,32 @@ REFERENCE = "reference (embedded)"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 
-def available_models() -> dict[str, Path]:
-    """Display name -> path of every checkpoint the user can pick, the embedded model first.
+def model_listing() -> tuple[dict[str, Path], list[str]]:
+    """(display name -> path of every checkpoint the user can pick, the embedded model first;
+    one sentence per entry of the models folders left out).
 
     A checkpoint is a folder (Hugging Face layout) or a single weights file directly inside one of
-    the models folders; the first folder that holds a name wins.
+    the models folders; the first folder that holds a name wins. An entry that is a symbolic-link
+    loop, a link to nothing, a FIFO or unreadable is left out and named, never fatal.
     """
     found: dict[str, Path] = {REFERENCE: WEIGHTS_DIR}
+    skipped: list[str] = []
     for folder in comfy_bridge.models_folders():
         if not os.path.isdir(folder):
             continue
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name.lower()):
+        entries, problems = list_folder(folder)
+        skipped += [f"in {folder}: {problem}" for problem in problems]
+        for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if entry.is_dir() or entry.name.lower().endswith(WEIGHT_SUFFIXES):
-                found.setdefault(entry.name, Path(entry.path))
-    return found
+            if entry.is_folder or entry.name.lower().endswith(WEIGHT_SUFFIXES):
+                found.setdefault(entry.name, entry.path)
+    return found, skipped
+
+
+def available_models() -> dict[str, Path]:
+    """Display name -> path of every checkpoint the user can pick (see :func:`model_listing`)."""
+    return model_listing()[0]
 
 
 def missing_model_message(name: str) -> str:
@@ -38,8 +50,10 @@ def missing_model_message(name: str) -> str:
     folders = comfy_bridge.models_folders()
     checked = ", ".join(f"{f}{'' if os.path.isdir(f) else ' (missing)'}" for f in folders) \
         or "none registered (outside ComfyUI set SJD_MODELS_DIR)"
-    choices = ", ".join(repr(n) for n in available_models())
-    return (f"SJD Model Loader: model={name!r} was not found in the SJD models folders "
+    found, skipped = model_listing()
+    choices = ", ".join(quote(n) for n in found)
+    left_out = f" Left out of the listing: {'; '.join(skipped)}." if skipped else ""
+    return (f"SJD Model Loader: model={quote(name)} was not found in the SJD models folders "
             f"[{checked}]. Put the checkpoint folder there under that name (the README's "
             f"'models' section says where each family's weights come from), or add a folder with "
-            f"an 'sjd:' entry in extra_model_paths.yaml, or pick one of: {choices}.")
+            f"an 'sjd:' entry in extra_model_paths.yaml, or pick one of: {choices}.{left_out}")

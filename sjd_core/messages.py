@@ -11,9 +11,10 @@ QUOTE_LIMIT = 200  # the most characters of a value an error message shows
 
 
 def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
-    """``repr(value)``, cut to ``limit`` characters (with the full length) when longer."""
-    text = repr(value)
-    if len(text) <= limit:
+    """``repr(value)``, cut to ``limit`` characters (with the full length) when longer; a long
+    string or bytes value is cut before it is written out, so quoting it costs ``limit``."""
+    text = repr(value[: limit + 1] if isinstance(value, (str, bytes)) else value)
+    if len(text) <= limit and not (isinstance(value, (str, bytes)) and len(value) > limit):
         return text
     size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters written out"
     return f"{text[:limit]}... ({size})"

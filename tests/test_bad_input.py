@@ -424,7 +424,7 @@ CASES = [
          ValueError, r"lumina-mgpt checkpoint: '.*config.json' is not a valid ChameleonConfig "
          r"\(.*num_hidden_layers", loads("lumina")),
     Case("janus: truncated tokenizer.json", load_damaged("janus", truncate("tokenizer.json")),
-         ValueError, r"Janus-Pro tokenizer: '.*tokenizer.json' is not valid JSON", loads("janus")),
+         ValueError, r"Janus-Pro tokenizer: file '.*tokenizer.json' is not valid JSON", loads("janus")),
     Case("janus: tokenizer without its letters",
          load_damaged("janus", edit_json("tokenizer.json", without_letters)), ValueError,
          r"Janus-Pro tokenizer in '.*' \(tokenizer.json, tokenizer_config.json\) loads but cannot "
@@ -432,7 +432,7 @@ CASES = [
          loads("janus")),
     Case("lumina: shard name outside the folder",
          load_damaged("lumina", first_shard_named("../outside.safetensors")), ValueError,
-         r"model.safetensors.index.json names the shard '../outside.safetensors', which is not a "
+         r"model.safetensors.index.json' names the shard '../outside.safetensors', which is not a "
          r"file inside", loads("lumina")),
     Case("lumina: absolute shard name", load_damaged("lumina", first_shard_named("/etc/passwd")),
          ValueError, r"names the shard '/etc/passwd', which is not a file inside", loads("lumina")),
@@ -466,7 +466,7 @@ CASES = [
          edited_trace(set_first_value("committed_per_iteration", 99)), ValueError,
          r"committed_per_iteration sums to \[\d+\] slots per image, not 16", trace_reads),
     Case("trace: not JSON", lambda bench: Trace.from_json("{\"meta\": "), ValueError,
-         r"trace: the text is not JSON", trace_reads),
+         r"trace: the text is not valid JSON \(.*\): pass what Trace.to_json wrote", trace_reads),
     # --------------------------------------------------------- diagnostics
     Case("diagnostics: 6x6 px image over 4x4 codes", diagnose_over((1, 6, 6, 3)), ValueError,
          r"image \(1 image\(s\) of 6x6 px\) does not belong to this trace \(1 image\(s\) of "

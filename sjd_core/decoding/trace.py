@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..messages import quote
+from ..files import parse_json
+from ..messages import first_line, quote
 from .drafting import DRAFT_SOURCES
 from .sampling import as_type
 from .verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
@@ -333,11 +334,7 @@ class Trace:
     def from_json(cls, text: str) -> "Trace":
         """Inverse of :meth:`to_json`; ValueError when the text is not a complete, consistent
         trace of this version (see :meth:`validate`)."""
-        try:
-            body = json.loads(text)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"trace: the text is not JSON ({error}); pass what Trace.to_json "
-                             "wrote.") from error
+        body = parse_json(text, "trace: the text", "pass what Trace.to_json wrote")
         if not isinstance(body, dict) or not isinstance(body.get("meta"), dict):
             raise ValueError("trace: the text is not a trace written by Trace.to_json (it has no "
                              "'meta' object).")
@@ -358,9 +355,9 @@ class Trace:
                 if kind is np.float64:
                     values = np.where(values == None, np.nan, values)  # noqa: E711
                 arrays[name] = values.astype(kind).reshape(entry["shape"])
-            except (KeyError, TypeError, ValueError) as error:
-                raise ValueError(f"trace: array {name!r} is missing or unreadable ({error}); "
-                                 "pass what Trace.to_json wrote.") from error
+            except (KeyError, TypeError, ValueError, OverflowError) as error:
+                raise ValueError(f"trace: array {name!r} is missing or unreadable "
+                                 f"({first_line(error)}); pass what Trace.to_json wrote.") from error
         trace = cls(meta=body["meta"], **arrays)
         trace.validate()
         return trace
@@ -386,6 +383,14 @@ class Trace:
         height, width = positive("grid height", grid[0]), positive("grid width", grid[1])
         batch = positive("batch", meta.get("batch"))
         positive("window", meta.get("window", 1))
+        if not isinstance(meta.get("run_id"), str):
+            raise ValueError(f"trace: meta run_id={quote(meta.get('run_id'))} is not allowed: it "
+                             "must be the string the sampler wrote.")
+        for name, kind, allowed in (("warnings", list, "a list of strings"),
+                                    ("vp_rises", dict, "an object"), ("mode", str, "a string")):
+            if name in meta and not isinstance(meta[name], kind):
+                raise ValueError(f"trace: meta {name}={quote(meta[name])} is not allowed: it must "
+                                 f"be {allowed}.")
         shapes = meta.get("shapes", [])
         if not isinstance(shapes, list) or not all(isinstance(x, str) for x in shapes):
             raise ValueError(f"trace: meta shapes={quote(shapes)} is not allowed: it must be a "

@@ -24,7 +24,7 @@ Chameleon release are looked for in the places listed in ``VQGAN_PLACES``.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +33,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..files import describe_entry, is_regular_file
 from ..messages import quote
 from .family_common import (check_codes, check_prompt_length, encode, load_config, load_tokenizer,
-                            to_images)
+                            read_json, to_images)
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
@@ -111,26 +112,27 @@ def synthetic_vocabulary(codes: int = 8192, size: int = 8804 + 2048 // SIZE_UNIT
 
 def find_vqgan(folder: Path) -> tuple[Path, Path]:
     """(vqgan.yaml, vqgan.ckpt) from the first place in ``VQGAN_PLACES`` that holds both."""
-    places = [(folder / p).resolve() for p in VQGAN_PLACES]
+    places = [Path(os.path.realpath(folder / p)) for p in VQGAN_PLACES]
     for place in places:
-        if (place / "vqgan.yaml").is_file() and (place / "vqgan.ckpt").is_file():
+        if is_regular_file(place / "vqgan.yaml") and is_regular_file(place / "vqgan.ckpt"):
             return place / "vqgan.yaml", place / "vqgan.ckpt"
-    partial = [f"{place / name} exists but {other} is missing"
-               for place in places for name, other in (("vqgan.yaml", "vqgan.ckpt"), ("vqgan.ckpt", "vqgan.yaml"))
-               if (place / name).is_file()]
+    found = [f"{quote(str(place / name))} is {kind}" for place in places
+             for name in ("vqgan.yaml", "vqgan.ckpt")
+             if (kind := describe_entry(place / name)) != "missing"]
     raise FileNotFoundError(
         "The Chameleon VQGAN decoder is missing: vqgan.yaml and vqgan.ckpt (from Meta's Chameleon "
-        "release, folder tokenizer/) must sit together in one of:\n"
+        "release, folder tokenizer/) must sit together, as regular files, in one of:\n"
         + "\n".join(f"  - {p}" for p in places)
-        + ("\n" + "\n".join(partial) if partial else "")
+        + ("\nFound instead: " + "; ".join(found) if found else "")
         + f"\nThe simplest is to copy both files into {folder}.")
 
 
 def read_config(folder: Path) -> dict:
-    """``folder/config.json`` as a dict ({} when it is missing or unreadable)."""
+    """``folder/config.json`` as a dict ({} when it is missing, unreadable or not a regular
+    file: detection then matches no family, and the loader says what is wrong with it)."""
     try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        return read_json(folder / "config.json")
+    except ValueError:
         return {}
 
 
@@ -142,13 +144,16 @@ def is_chameleon(folder: Path) -> bool:
 def extends_vocabulary(folder: Path) -> bool:
     """A Chameleon config with more than Chameleon's 65,536 tokens: Lumina-mGPT 2.0's vocabulary,
     which puts its MoVQGAN codes after a larger text vocabulary."""
-    return is_chameleon(folder) and int(read_config(folder).get("vocab_size") or 0) > CHAMELEON_VOCAB_SIZE
+    vocab_size = read_config(folder).get("vocab_size")
+    return (is_chameleon(folder) and isinstance(vocab_size, int)
+            and vocab_size > CHAMELEON_VOCAB_SIZE)
 
 
 def _is_lumina(folder: Path) -> bool:
     """Lumina-mGPT configs come from its training class (z-loss weight, XLLMX architecture)."""
     cfg = read_config(folder)
-    archs = " ".join(cfg.get("architectures") or [])
+    listed = cfg.get("architectures")
+    archs = " ".join(a for a in listed if isinstance(a, str)) if isinstance(listed, list) else ""
     return (is_chameleon(folder) and ("z_loss_weight" in cfg or "XLLMX" in archs)
             and not extends_vocabulary(folder))
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..files import json_field
+from ..messages import quote
 from .family_common import (check_codes, check_prompt_length, config_model_type, encode,
                             image_norm, load_config, load_tokenizer, pick_grid, read_json,
                             to_images)
@@ -58,12 +60,19 @@ def size_grids(area: int, pixels_per_code: int) -> dict[tuple[int, int], tuple[i
     return grids
 
 
+def image_area(path: Path) -> int:
+    """Pixels per image the checkpoint draws at (``processor_config.json``'s ``image_area``)."""
+    file = path / "processor_config.json"
+    return json_field(read_json(file), "image_area", f"file {quote(str(file))}", "int", minimum=1,
+                      default=DEFAULT_IMAGE_AREA)
+
+
 def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
     """The sizes an Emu3 folder supports, from its config files alone (no weights read)."""
     from transformers import Emu3Config
 
     config = Emu3Config.from_pretrained(str(path), local_files_only=True)
-    area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
+    area = image_area(path)
     return list(size_grids(area, 2 ** (len(config.vq_config.channel_multiplier) - 1)))
 
 
@@ -193,7 +202,7 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
     config = load_config(Emu3Config, path, "Emu3")  # first: the tokenizer reads config.json too
     tokenizer = load_tokenizer(path, "Emu3")
     files = safetensors_files(path)
-    area = int(read_json(path / "processor_config.json").get("image_area", DEFAULT_IMAGE_AREA))
+    area = image_area(path)
     model = load_transformers_model(Emu3ForConditionalGeneration, config, files, device, dtype,
                                     device_map, convert=checkpoint_key, quantization=quantization)
     mean, std = image_norm(path)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ..files import json_field, present_regular_file, read_json_object
 from ..messages import first_line, quote
 
 # Tokenizer files that are JSON: each is checked on its own, so a damaged one is named.
@@ -19,20 +19,12 @@ TOKENIZER_PROBE = ("A photo of a red fox, 1024x1024: watercolour; \"quoted\" (te
 
 
 def read_json(file: Path) -> dict:
-    """A JSON object from ``file`` ({} when the file does not exist)."""
-    if not file.is_file():
-        return {}
+    """A JSON object from ``file`` ({} when nothing is there); ValueError naming the file when it
+    is not a regular, readable, well-formed object (see :mod:`sjd_core.files`)."""
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except ValueError as error:
-        raise ValueError(f"{str(file)!r} is not valid JSON ({first_line(error)}): the file is "
-                         "damaged or incomplete; download it again.") from None
-    except OSError as error:
-        raise ValueError(f"{str(file)!r} cannot be read ({first_line(error)}); check that the "
-                         "file is readable.") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(file)!r} must hold a JSON object, got {type(data).__name__}.")
-    return data
+        return read_json_object(file)
+    except FileNotFoundError:
+        return {}
 
 
 def config_model_type(folder: Path) -> str | None:
@@ -71,7 +63,7 @@ def load_config(config_class: type, folder: Path, family: str):
         return config_class.from_pretrained(str(folder), local_files_only=True)
     except Exception as error:
         detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        raise ValueError(f"{family} checkpoint: {str(file)!r} is not a valid {config_class.__name__} "
+        raise ValueError(f"{family} checkpoint: {quote(str(file))} is not a valid {config_class.__name__} "
                          f"({quote(detail)}); fix the field it names or download the file again."
                          ) from error
 
@@ -85,9 +77,10 @@ def load_tokenizer(folder: Path, family: str):
     """
     from transformers import AutoTokenizer
 
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                       "vocab.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{family} checkpoint {str(folder)!r} has no tokenizer: expected its "
+    present = [name for name in (*TOKENIZER_JSON, "merges.txt", "tokenizer.model")
+               if present_regular_file(folder / name, f"{family} tokenizer file")]
+    if not set(present) & {"tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"}:
+        raise FileNotFoundError(f"{family} checkpoint {quote(str(folder))} has no tokenizer: expected its "
                                 f"tokenizer files (tokenizer.json, or vocab.json + merges.txt, with "
                                 f"tokenizer_config.json) next to config.json; download them with the "
                                 f"weights.")
@@ -96,18 +89,17 @@ def load_tokenizer(folder: Path, family: str):
             read_json(folder / name)
         except ValueError as error:
             raise ValueError(f"{family} tokenizer: {error}") from None
-    present = ", ".join(name for name in (*TOKENIZER_JSON, "merges.txt", "tokenizer.model")
-                        if (folder / name).is_file())
+    listing = ", ".join(present)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                   trust_remote_code=False)
     except Exception as error:
-        raise ValueError(f"{family} tokenizer in {str(folder)!r} ({present}) cannot be loaded "
+        raise ValueError(f"{family} tokenizer in {quote(str(folder))} ({listing}) cannot be loaded "
                          f"({first_line(error)}); download the tokenizer files again.") from error
     try:
         tokenizer(TOKENIZER_PROBE, add_special_tokens=False)
     except Exception as error:
-        raise ValueError(f"{family} tokenizer in {str(folder)!r} ({present}) loads but cannot "
+        raise ValueError(f"{family} tokenizer in {quote(str(folder))} ({listing}) loads but cannot "
                          f"encode text ({first_line(error)}): its vocabulary is damaged; download "
                          "the tokenizer files again.") from error
     return tokenizer
@@ -161,7 +153,8 @@ def to_images(pixels: torch.Tensor, mean: list[float], std: list[float]) -> torc
 
 def image_norm(folder: Path) -> tuple[list[float], list[float]]:
     """The image processor's mean and std (``preprocessor_config.json``); default 0.5 / 0.5."""
-    config = read_json(folder / "preprocessor_config.json")
-    mean = config.get("image_mean", [0.5, 0.5, 0.5])
-    std = config.get("image_std", [0.5, 0.5, 0.5])
+    file = folder / "preprocessor_config.json"
+    config, source = read_json(file), f"file {quote(str(file))}"
+    mean, std = (json_field(config, name, source, "number list", default=[0.5, 0.5, 0.5], length=3)
+                 for name in ("image_mean", "image_std"))
     return [float(v) for v in mean], [float(v) for v in std]

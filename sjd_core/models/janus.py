@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import json_field
+from ..messages import quote
 from .family_common import (check_codes, check_prompt_length, config_model_type, encode,
                             image_norm, load_config, load_tokenizer, pick_grid, read_json,
                             to_images)
@@ -137,8 +139,10 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
     tokenizer = load_tokenizer(path, "Janus-Pro")
     generation = read_json(path / "generation_config.json")
     where = str(path / "generation_config.json")
-    image_start_id = generation.get("boi_token_id") or _token_id(tokenizer, IMAGE_START_TOKEN, where)
-    pad_id = generation.get("pad_token_id") or _token_id(tokenizer, PAD_TOKEN, where)
+    image_start_id, pad_id = (json_field(generation, name, f"file {quote(where)}", "int", minimum=0,
+                                         default=None) or _token_id(tokenizer, token, where)
+                              for name, token in (("boi_token_id", IMAGE_START_TOKEN),
+                                                  ("pad_token_id", PAD_TOKEN)))
     bos_id = config.text_config.bos_token_id
     if bos_id is None:
         bos_id = tokenizer.bos_token_id

@@ -42,12 +42,13 @@ from pathlib import Path
 
 import torch
 
+from ..files import is_regular_file, list_folder, present_regular_file, read_text, require_regular_file
 from ..messages import quote
-from .family_common import check_codes, pick_grid, read_json, to_images
+from .family_common import check_codes, pick_grid, to_images
 from .hf_session import Context, DecoderParts, HFSession
 from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ_SAFETENSORS, LlamaGenSpec,
                                   build_gpt, build_vq, image_size_from_name, infer_spec,
-                                  read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
+                                  read_settings, read_state_dict, safetensors_shapes, shapes_of, vq_downsample,
                                   vq_to_janus)
 from .llamagen_caption import clean_caption
 from .llamagen_modules import LlamaGenTransformer
@@ -114,10 +115,10 @@ class LlamaGenModel:
     # ------------------------------------------------------------------ conditioning
     def _read_class_names(self) -> dict[str, int]:
         file = self.folder / CLASS_NAMES_FILE
-        if not file.is_file():
+        if not present_regular_file(file, "class names file"):
             return {}
         names: dict[str, int] = {}
-        for index, line in enumerate(file.read_text(encoding="utf-8").splitlines()):
+        for index, line in enumerate(read_text(file, what="class names file").splitlines()):
             for name in [line] + line.split(","):
                 names.setdefault(name.strip().lower(), index)
         names.pop("", None)
@@ -171,7 +172,7 @@ class LlamaGenModel:
         if isinstance(features, (str, Path)):
             from safetensors.torch import load_file
 
-            loaded = load_file(str(features))
+            loaded = load_file(str(require_regular_file(features, "extra['caption_embeddings'] file")))
             if "caption_embeddings" not in loaded:
                 raise ValueError(f"{str(features)!r} holds no 'caption_embeddings' tensor "
                                  f"(found {sorted(loaded)}).")
@@ -258,37 +259,41 @@ class LlamaGenModel:
 def _checkpoint_files(path: Path) -> tuple[Path, Path]:
     """(GPT file, VQ file) for a LlamaGen folder, or for a GPT file with its VQ file beside it."""
     folder = path if path.is_dir() else path.parent
-    if path.is_dir() and (path / GPT_SAFETENSORS).is_file():
+    files = [entry.path for entry in list_folder(folder)[0] if not entry.is_folder]
+    if path.is_dir() and is_regular_file(path / GPT_SAFETENSORS):
         gpt = path / GPT_SAFETENSORS
-    elif path.is_file():
+    elif is_regular_file(path):
         gpt = path
     else:
-        found = sorted(p for p in folder.iterdir() if _GPT_NAME.match(p.name))
+        found = [p for p in files if _GPT_NAME.match(p.name)]
         if len(found) != 1:
-            raise ValueError(f"{str(folder)!r} must hold exactly one LlamaGen GPT checkpoint "
-                             f"(c2i_*.pt or t2i_*.pt), found {[p.name for p in found]}.")
+            raise ValueError(f"{quote(str(folder))} must hold exactly one LlamaGen GPT checkpoint "
+                             f"(c2i_*.pt or t2i_*.pt), found {quote([p.name for p in found])}.")
         gpt = found[0]
-    vqs = sorted(p for p in folder.iterdir() if p.name == VQ_SAFETENSORS
-                 or (p.name.startswith("vq") and p.suffix in (".pt", ".safetensors")))
+    vqs = [p for p in files if p.name == VQ_SAFETENSORS
+           or (p.name.startswith("vq") and p.suffix in (".pt", ".safetensors"))]
     if not vqs:
-        raise FileNotFoundError(f"No LlamaGen VQ tokenizer in {str(folder)!r}: put vq_ds16_c2i.pt (or "
-                                f"vq_ds16_t2i.pt) next to {gpt.name}.")
+        raise FileNotFoundError(f"No LlamaGen VQ tokenizer in {quote(str(folder))}: put "
+                                f"vq_ds16_c2i.pt (or vq_ds16_t2i.pt) next to {quote(gpt.name)}.")
     if len(vqs) > 1:
-        raise ValueError(f"{str(folder)!r} holds several VQ files {[p.name for p in vqs]}; keep one.")
+        raise ValueError(f"{quote(str(folder))} holds several VQ files {quote([p.name for p in vqs])}; "
+                         "keep one.")
     return gpt, vqs[0]
+
 
 
 def detect(path: Path) -> bool:
     """A LlamaGen checkpoint: ``llamagen.json``, a ``c2i_*``/``t2i_*`` GPT file, or such a folder."""
-    if path.is_file():
+    if is_regular_file(path):
         return bool(_GPT_NAME.match(path.name))
-    return path.is_dir() and ((path / SIDECAR).is_file() or any(_GPT_NAME.match(p.name) for p in path.iterdir()))
+    return path.is_dir() and (is_regular_file(path / SIDECAR)
+                              or any(_GPT_NAME.match(entry.name) for entry in list_folder(path)[0]))
 
 
 def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
     """The trained size of a LlamaGen checkpoint, from ``llamagen.json`` or the file name."""
     gpt_file, _ = _checkpoint_files(path)
-    size = read_json(gpt_file.parent / SIDECAR).get("image_size") or image_size_from_name(gpt_file.name)
+    size = read_settings(gpt_file.parent).get("image_size") or image_size_from_name(gpt_file.name)
     if size is None:
         raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
                          f"its name (such as c2i_L_384.pt): set \"image_size\" in {gpt_file.parent / SIDECAR}.")
@@ -301,7 +306,7 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
     quantization = quantization_config(weights, device, keep=("cond_embedder",))
     gpt_file, vq_file = _checkpoint_files(path)
     folder = gpt_file.parent
-    settings = read_json(folder / SIDECAR)
+    settings = read_settings(folder)
     size = settings.get("image_size") or image_size_from_name(gpt_file.name)
     if size is None:
         raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "

@@ -34,11 +34,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import JanusVQVAE, JanusVQVAEConfig, LlamaConfig
 
-from ..messages import first_line
+from ..command_line import ArgumentParser, run_command
+from ..files import json_field, present_regular_file, read_text, require_regular_file
+from ..messages import first_line, quote
 from .family_common import read_json
 from .llamagen_modules import LlamaGenTransformer
 from .weights import DeviceMap, load_transformers_model
 
+PROG = "python -m sjd_core.models.llamagen_checkpoint"
 SIDECAR = "llamagen.json"
 GPT_SAFETENSORS = "model.safetensors"
 VQ_SAFETENSORS = "vq.safetensors"
@@ -71,11 +74,18 @@ class LlamaGenSpec:
         return self.dim // self.n_head
 
 
+def read_settings(folder: Path) -> dict:
+    """``llamagen.json`` of ``folder`` ({} when there is none), its numbers checked."""
+    file = folder / SIDECAR
+    settings, source = read_json(file), f"file {quote(str(file))}"
+    for name in ("image_size", "n_head"):
+        json_field(settings, name, source, "int", minimum=1, default=None)
+    return settings
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors of a LlamaGen ``.pt`` (weights-only pickle) or ``.safetensors`` file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"LlamaGen weights file {str(path)!r} does not exist.")
+    path = require_regular_file(path, "LlamaGen weights file")
     if path.suffix == ".safetensors":
         try:
             return load_file(str(path))
@@ -328,7 +338,7 @@ def convert_to_safetensors(gpt: str | Path, vq: str | Path, out_dir: str | Path,
     loadable by ``load_model``.
     """
     gpt, vq, out_dir = Path(gpt), Path(vq), Path(out_dir)
-    settings = read_json(gpt.parent / SIDECAR)
+    settings = read_settings(gpt.parent)
     size = image_size or settings.get("image_size") or image_size_from_name(gpt.name)
     n_head = n_head or settings.get("n_head")
     if size is None:
@@ -342,16 +352,17 @@ def convert_to_safetensors(gpt: str | Path, vq: str | Path, out_dir: str | Path,
     save_file({k: v.contiguous() for k, v in gpt_state.items()}, str(out_dir / GPT_SAFETENSORS))
     save_file({k: v.contiguous() for k, v in vq_state.items()}, str(out_dir / VQ_SAFETENSORS))
     names = gpt.parent / CLASS_NAMES_FILE
-    if names.is_file():
-        (out_dir / CLASS_NAMES_FILE).write_text(names.read_text(encoding="utf-8"), encoding="utf-8")
+    if present_regular_file(names, "class names file"):
+        (out_dir / CLASS_NAMES_FILE).write_text(read_text(names, what="class names file"),
+                                                encoding="utf-8")
     (out_dir / SIDECAR).write_text(json.dumps(
         {"kind": spec.kind, "image_size": size, "n_head": spec.n_head}, indent=2) + "\n")
     return out_dir
 
 
 def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m sjd_core.models.llamagen_checkpoint",
+    parser = ArgumentParser(
+        prog=PROG,
         description="Convert a LlamaGen GPT .pt and its VQ .pt to safetensors (weights-only read).")
     parser.add_argument("gpt", help="GPT checkpoint, e.g. c2i_L_384.pt")
     parser.add_argument("vq", help="VQ tokenizer checkpoint, e.g. vq_ds16_c2i.pt")
@@ -361,11 +372,12 @@ def _main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-head", type=int, default=None,
                         help="attention heads, for widths that are not a published LlamaGen size")
     args = parser.parse_args(argv)
-    print(convert_to_safetensors(args.gpt, args.vq, args.out_dir, args.image_size, args.n_head))
+    print(run_command(PROG, lambda: convert_to_safetensors(args.gpt, args.vq, args.out_dir,
+                                                           args.image_size, args.n_head)))
 
 
 if __name__ == "__main__":
     _main()
 
-__all__ = ["LlamaGenSpec", "read_state_dict", "image_size_from_name", "shapes_of",
+__all__ = ["LlamaGenSpec", "read_settings", "read_state_dict", "image_size_from_name", "shapes_of",
            "safetensors_shapes", "infer_spec", "tensor_converter", "llama_config", "build_gpt", "vq_to_janus", "vq_downsample", "build_vq", "convert_to_safetensors"]

@@ -30,11 +30,14 @@ adapter:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
+from ..files import describe_entry, is_regular_file
+from ..messages import quote
 from .chameleon import (ChameleonImageModel, TokenLayout, extends_vocabulary, lumina_resolutions,
                         per_head_norms)
 from .family_common import load_tokenizer
@@ -64,16 +67,21 @@ MOVQGAN_PLACES = (".", "movqgan/270M", "movqgan", "../movqgan/270M", "../movqgan
 
 
 def find_decoder(folder: Path) -> Path:
-    """The first MoVQGAN file of :data:`MOVQGAN_FILES` in the first place that has one."""
-    places = [(folder / p).resolve() for p in MOVQGAN_PLACES]
+    """The first MoVQGAN file of :data:`MOVQGAN_FILES` in the first place that has one (a regular
+    file; a place or file that is a symbolic-link loop or a FIFO is passed over and named)."""
+    places = [Path(os.path.realpath(folder / p)) for p in MOVQGAN_PLACES]
     for place in places:
         for name in MOVQGAN_FILES:
-            if (place / name).is_file():
+            if is_regular_file(place / name):
                 return place / name
+    found = [f"{quote(str(place / name))} is {kind}" for place in places for name in MOVQGAN_FILES
+             if (kind := describe_entry(place / name)) != "missing"]
     raise FileNotFoundError(
         "The MoVQGAN decoder of Lumina-mGPT 2.0 is missing: movqgan_270M.ckpt (from the Hugging "
         "Face repository ai-forever/MoVQGAN) or its safetensors conversion must be in one of:\n"
-        + "\n".join(f"  - {p}" for p in places) + f"\nThe simplest is to copy it into {folder}.")
+        + "\n".join(f"  - {p}" for p in places)
+        + ("\nFound instead: " + "; ".join(found) if found else "")
+        + f"\nThe simplest is to copy it into {folder}.")
 
 
 def read_layout(vocab: dict[str, int], bos: int | None, vocab_size: int, codebook: int,

@@ -19,13 +19,18 @@ tensor the decoder needs is checked by name and shape; the encoder tensors are i
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..command_line import ArgumentParser, new_file, run_command
+from ..files import require_regular_file
+from ..messages import first_line, quote
+
+PROG = "python -m sjd_core.models.movqgan"
 
 __all__ = ["MoVQConfig", "MoVQDecoder", "load_movqgan_decoder", "read_movqgan_state", "convert_to_safetensors"]
 
@@ -180,6 +185,7 @@ class MoVQDecoder(nn.Module):
 
 def read_movqgan_state(file: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a MoVQGAN ``.ckpt`` (weights-only pickle) or ``.safetensors`` file."""
+    file = require_regular_file(file, "MoVQGAN weights file")
     if file.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -187,30 +193,36 @@ def read_movqgan_state(file: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(file))
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"MoVQGAN weights {str(file)!r} are damaged or truncated ({err}); "
+            raise ValueError(f"MoVQGAN weights {quote(str(file))} are damaged or truncated ({first_line(err)}); "
                              "convert or download them again.") from err
     try:
         blob = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle errors of many kinds: a file that is not plain tensors
-        raise ValueError(f"Could not read {str(file)!r} as a weights-only checkpoint ({err}); it must "
+        raise ValueError(f"Could not read {quote(str(file))} as a weights-only checkpoint ({first_line(err)}); it must "
                          "be the released movqgan_270M.ckpt (tensors only, nothing executable).") from err
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{str(file)!r} holds no state dict of tensors.")
+        raise ValueError(f"{quote(str(file))} holds no state dict of tensors.")
     return state
 
 
 def load_movqgan_decoder(file: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> MoVQDecoder:
     """Build the decoder from the shapes in ``file`` and fill it, checking every tensor it needs."""
     state = read_movqgan_state(file)
-    cfg = MoVQConfig.from_shapes({k: tuple(v.shape) for k, v in state.items()}, str(file))
-    with torch.device("meta"):
-        model = MoVQDecoder(cfg)
+    try:
+        cfg = MoVQConfig.from_shapes({k: tuple(v.shape) for k, v in state.items()}, quote(str(file)))
+        with torch.device("meta"):
+            model = MoVQDecoder(cfg)
+    except (IndexError, ZeroDivisionError, RuntimeError, ValueError) as error:
+        if str(error).startswith(quote(str(file))):
+            raise  # from_shapes' own message names the file and the tensor
+        raise ValueError(f"{quote(str(file))} is not a MoVQGAN checkpoint: its tensor shapes do "
+                         f"not make a decoder ({first_line(error)}).") from error
     needed = model.state_dict()
     missing = sorted(set(needed) - set(state))
     wrong = sorted(k for k in set(needed) & set(state) if tuple(state[k].shape) != tuple(needed[k].shape))
     if missing or wrong:
-        raise ValueError(f"{str(file)!r} is not a complete MoVQGAN decoder: missing {missing[:6]}, wrong "
+        raise ValueError(f"{quote(str(file))} is not a complete MoVQGAN decoder: missing {missing[:6]}, wrong "
                          f"shapes {wrong[:6]} ({len(missing)} and {len(wrong)} in all).")
     model.load_state_dict({k: state[k] for k in needed}, assign=True)
     return model.to(device=device, dtype=dtype).eval()
@@ -226,11 +238,15 @@ def convert_to_safetensors(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def _main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m sjd_core.models.movqgan movqgan_270M.ckpt movqgan_270M.safetensors")
-    print(convert_to_safetensors(Path(argv[0]), Path(argv[1])))
+def _main(argv: list[str] | None = None) -> None:
+    """Command-line converter: one line and exit code 2 for a missing, damaged or refused file."""
+    parser = ArgumentParser(prog=PROG, description="Convert the decoder of a MoVQGAN .ckpt to "
+                                                   "safetensors (read weights-only, checked).")
+    parser.add_argument("checkpoint", help="the released movqgan_270M.ckpt")
+    parser.add_argument("out", type=new_file, help="the safetensors file to write")
+    args = parser.parse_args(argv)
+    print(run_command(PROG, lambda: convert_to_safetensors(Path(args.checkpoint), Path(args.out))))
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1:])
+    _main()

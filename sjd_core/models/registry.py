@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..files import describe_entry
 from ..messages import first_line, quote
 from . import chameleon, emu3, janus, llamagen, lumina2, reference
 from .family_common import read_json
@@ -65,8 +66,12 @@ FAMILIES: tuple[Family, ...] = (
 def family_of(path: str | os.PathLike) -> Family:
     """The family whose ``detect`` recognises ``path`` first; errors name what each expects."""
     p = Path(path).expanduser()
-    if not p.exists():
+    kind = describe_entry(p)
+    if kind == "missing":
         raise FileNotFoundError(f"Model path {quote(str(p))} does not exist.")
+    if kind not in ("a folder", "a regular file"):
+        raise ValueError(f"Model path {quote(str(p))} is {kind}: a checkpoint is a folder or a "
+                         "weights file (or a link to one).")
     for family in FAMILIES:
         if family.detect(p):
             return family

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..files import read_text
+from ..messages import first_line, quote
+
 __all__ = ["VQGANConfig", "VQGANDecoder", "load_vqgan_decoder"]
 
 
@@ -43,7 +46,7 @@ class VQGANConfig:
         import yaml
 
         try:
-            params = yaml.safe_load(file.read_text())["model"]["params"]
+            params = yaml.safe_load(read_text(file, what="VQGAN config"))["model"]["params"]
             dd = params["ddconfig"]
             return cls(n_embed=int(params["n_embed"]), embed_dim=int(params["embed_dim"]),
                        z_channels=int(dd["z_channels"]), ch=int(dd["ch"]),
@@ -51,9 +54,9 @@ class VQGANConfig:
                        num_res_blocks=int(dd["num_res_blocks"]),
                        attn_resolutions=tuple(int(r) for r in dd.get("attn_resolutions") or ()),
                        resolution=int(dd["resolution"]), out_ch=int(dd.get("out_ch", 3)))
-        except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
-            raise ValueError(f"{str(file)!r} is not a VQGAN config: expected model.params with "
-                             f"ddconfig, n_embed and embed_dim ({err!r}).") from err
+        except (KeyError, TypeError, ValueError, yaml.YAMLError, RecursionError) as err:
+            raise ValueError(f"{quote(str(file))} is not a VQGAN config: expected model.params "
+                             f"with ddconfig, n_embed and embed_dim ({first_line(err)}).") from err
 
 
 def _norm(channels: int) -> nn.GroupNorm:

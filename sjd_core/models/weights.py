@@ -20,7 +20,6 @@ Which family a folder holds is decided by :mod:`.registry`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 import weakref
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -29,7 +28,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..messages import first_line, quote
+from ..files import present_regular_file, read_json_object
+from ..messages import quote
 
 if TYPE_CHECKING:
     from transformers import TorchAoConfig
@@ -141,31 +141,27 @@ def safetensors_files(folder: Path) -> list[Path]:
     from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): "
-                             f"{first_line(err)}") from err
+    if present_regular_file(index, "safetensors index"):
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names, "
+            raise ValueError(f"{quote(str(index))}: 'weight_map' must map tensor names to shard file names, "
                              f"got {quote(weight_map)}; download the index again.")
         files = [_shard(folder, index, name) for name in dict.fromkeys(weight_map.values())]
-    elif (folder / "model.safetensors").is_file():
+    elif present_regular_file(folder / "model.safetensors", "weights file"):
         files = [folder / "model.safetensors"]
     else:
         raise FileNotFoundError(
-            f"No weights in {str(folder)!r}: expected model.safetensors, or shards listed in "
+            f"No weights in {quote(str(folder))}: expected model.safetensors, or shards listed in "
             "model.safetensors.index.json (config.json alone is not a checkpoint).")
     for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"Weight shard {f.name!r} listed in {index.name} is missing from "
-                                    f"{str(folder)!r}; download it again.")
+        if not present_regular_file(f, "weight shard"):
+            raise FileNotFoundError(f"Weight shard {quote(f.name)} listed in {index.name} is missing from "
+                                    f"{quote(str(folder))}; download it again.")
         try:
             with safe_open(str(f), "pt") as handle:
                 handle.keys()
         except SafetensorError as err:
-            raise ValueError(f"Weight file {str(f)!r} is damaged or truncated ({err}); download it again.") from err
+            raise ValueError(f"Weight file {quote(str(f))} is damaged or truncated ({err}); download it again.") from err
     return files
 
 
@@ -177,7 +173,7 @@ def _shard(folder: Path, index: Path, name: object) -> Path:
     """
     readings = (PurePosixPath(name), PureWindowsPath(name)) if isinstance(name, str) else ()
     if not name or not readings or any(p.anchor or ".." in p.parts for p in readings):
-        raise ValueError(f"{index} names the shard {quote(name)}, which is not a file inside "
+        raise ValueError(f"{quote(str(index))} names the shard {quote(name)}, which is not a file inside "
                          f"{str(folder)!r}; shard names must be file names in the checkpoint "
                          "folder. Download the index again.")
     return folder / name

@@ -13,7 +13,6 @@ The negative prompt, when given, names the class of the unconditional context (d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from ..weights import (input_device, load_transformers_model, quantization_confi
                        safetensors_files)
 from ..protocol import GenerationRequest, SamplingDefaults
 from . import codebook as cb
+from ...files import json_field, read_json_object
 from ...messages import quote
 from .prompts import ClassVocabulary, unread
 
@@ -38,13 +38,33 @@ EXPECTS = ("a folder like sjd_core/models/reference/weights: reference.json (fam
 
 def is_reference_folder(path: Path | str) -> bool:
     """True when ``path`` holds a reference model (its ``reference.json`` names the family)."""
-    meta = Path(path) / DESCRIPTION
-    if not meta.is_file():
-        return False
     try:
-        return json.loads(meta.read_text()).get("family") == FAMILY
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return read_json_object(Path(path) / DESCRIPTION).get("family") == FAMILY
+    except (FileNotFoundError, ValueError):
         return False
+
+
+def read_description(folder: Path | str) -> dict:
+    """``reference.json`` of ``folder`` with every field the model reads checked for its type;
+    ValueError naming the file and the field."""
+    file = Path(folder) / DESCRIPTION
+    meta, source = read_json_object(file), f"file {quote(str(file))}"
+    for name, kind in (("classes", "str list"), ("synonyms", "object"), ("defaults", "object")):
+        json_field(meta, name, source, kind)
+    for name in ("codebook_size", "class_token_offset", "null_class_token", "patch"):
+        json_field(meta, name, source, "int", minimum=1)
+    json_field(meta, "grid", source, "int list", minimum=1, length=2)
+    for name in meta["synonyms"]:
+        json_field(meta["synonyms"], name, f"{source}: field 'synonyms'", "str list")
+    defaults, where = meta["defaults"], f"{source}: field 'defaults'"
+    for name in ("guidance", "temperature", "top_p"):
+        json_field(defaults, name, where, "number")
+    json_field(defaults, "top_k", where, "int", minimum=0)
+    unknown = sorted(set(defaults) - {"guidance", "temperature", "top_k", "top_p"})
+    if unknown:
+        raise ValueError(f"{where} has the unknown fields {quote(unknown)}: it may hold guidance, "
+                         "temperature, top_k and top_p.")
+    return meta
 
 
 class ReferenceModel:
@@ -64,7 +84,7 @@ class ReferenceModel:
             raise FileNotFoundError(
                 f"{folder} is not a complete reference model folder: missing {', '.join(missing)}. "
                 "Retrain it with `python -m sjd_core.tools.reference.train --out FOLDER`.")
-        meta = json.loads((folder / DESCRIPTION).read_text())
+        meta = read_description(folder)
         device, dtype = resolve_device_dtype(device, dtype, weights)
         self.folder = folder
         self.dtype = dtype
@@ -158,7 +178,7 @@ class ReferenceModel:
 
 def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
     """The one size a reference model folder draws, from ``reference.json`` (no weights read)."""
-    meta = json.loads((Path(path) / DESCRIPTION).read_text())
+    meta = read_description(path)
     return [(int(meta["grid"][1]) * int(meta["patch"]), int(meta["grid"][0]) * int(meta["patch"]))]
 
 
