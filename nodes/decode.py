@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sjd_core.messages import quote
 from . import comfy_bridge
 from .handles import CODES_TYPE, SamplerCodes
 
@@ -35,7 +36,7 @@ class SJDDecode:
     def decode(self, codes: SamplerCodes, upscale: str = "1") -> tuple[torch.Tensor]:
         """Decode on the model's device; the result is float32 on the CPU, as ComfyUI wants."""
         if upscale not in UPSCALES:
-            raise ValueError(f"SJD Decode: upscale={upscale!r} is not allowed: pick one of "
+            raise ValueError(f"SJD Decode: upscale={quote(upscale)} is not allowed: pick one of "
                              f"{list(UPSCALES)}.")
         adapter = codes.loaded.model
         comfy_bridge.load_to_device(codes.loaded.patcher)

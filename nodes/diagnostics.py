@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..sjd_core.messages import quote
 from ..sjd_core.decoding.trace import summary_text
 from ..sjd_core.tools.figures import (UNITS, heatmap, histogram_figure, labelled_panel, rule_legend,
                                      rule_map, value_range)
@@ -70,7 +71,7 @@ class SJDDiagnostics:
                  baseline_trace: SamplerTrace | None = None) -> dict:
         """Heatmaps (blended over ``image`` if given), histogram and summary of one run."""
         if not 0.0 <= blend <= 1.0:
-            raise ValueError(f"{NODE}: blend={blend!r} is not allowed: it must lie in [0, 1].")
+            raise ValueError(f"{NODE}: blend={quote(blend)} is not allowed: it must lie in [0, 1].")
         maps = trace.trace.slot_maps()
         batch, height, width = maps["commit_iteration"].shape
         if image is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from ..sjd_core.messages import quote
 from ..sjd_core.decoding.engine import IterationReport, generate
 from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from ..sjd_core.decoding.trace import summary_text
@@ -47,7 +48,7 @@ def parse_resolution(value: str, node: str) -> tuple[int, int] | None:
     try:
         width, height = (int(part) for part in value.lower().split("x"))
     except ValueError:
-        raise ValueError(f"{node}: resolution={value!r} is not allowed: write WIDTHxHEIGHT in "
+        raise ValueError(f"{node}: resolution={quote(value)} is not allowed: write WIDTHxHEIGHT in "
                          "pixels (e.g. 768x768) or 'default'.") from None
     return width, height
 
@@ -78,7 +79,7 @@ def run_sampler(model: LoadedModel, asked: Prompting, acceleration: Acceleration
                          "'default'.")
     size = size or tuple(supported[0])
     if not isinstance(asked.batch_size, int) or asked.batch_size < 1:
-        raise ValueError(f"{node}: batch_size={asked.batch_size!r} is not allowed: it must be an "
+        raise ValueError(f"{node}: batch_size={quote(asked.batch_size)} is not allowed: it must be an "
                          "integer >= 1.")
     request = GenerationRequest(prompt=asked.prompt, negative_prompt=asked.negative_prompt,
                                 resolution=size, batch_size=asked.batch_size,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..sjd_core.messages import quote
 from ..sjd_core.models.protocol import ImageTokenModel
 from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from ..sjd_core.decoding.trace import Trace
@@ -61,7 +62,7 @@ class RunInfo:
                 self.batch_size, self.seed)
 
     def describe(self) -> str:
-        return (f"{self.family} '{self.model_name}', prompt {self.prompt!r}, "
+        return (f"{self.family} '{self.model_name}', prompt {quote(self.prompt)}, "
                 f"{self.resolution[0]}x{self.resolution[1]}, batch {self.batch_size}, "
                 f"seed {self.seed}, mode {self.mode}")
 
@@ -114,7 +115,7 @@ class SamplingChoice:
 
     def __post_init__(self) -> None:
         if (self.recipe == CUSTOM) != (self.custom is not None):
-            raise ValueError(f"recipe={self.recipe!r}: custom settings go with recipe "
+            raise ValueError(f"recipe={quote(self.recipe)}: custom settings go with recipe "
                              f"'{CUSTOM}' and only with it.")
 
     def settings(self, loaded: LoadedModel) -> SamplingSettings:
@@ -125,8 +126,8 @@ class SamplingChoice:
         recipes = loaded.model.recipes
         name = next(iter(recipes)) if self.recipe == FAMILY_RECIPE else self.recipe
         if name not in recipes:
-            listing = ", ".join(repr(known) for known in recipes)
-            raise ValueError(f"recipe={self.recipe!r} is not a recipe of the {loaded.family} "
+            listing = ", ".join(quote(known) for known in recipes)
+            raise ValueError(f"recipe={quote(self.recipe)} is not a recipe of the {loaded.family} "
                              f"model '{loaded.name}': its recipes are {listing}. Pick one of "
                              f"them, '{FAMILY_RECIPE}' (its first) or '{CUSTOM}' on SJD "
                              "Sampling Options.")

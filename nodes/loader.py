@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sjd_core.messages import quote
 from ..sjd_core.models.registry import load_model
 from ..sjd_core.models.weights import FLOAT_FORMATS, QUANTIZED_FORMATS
 from . import comfy_bridge
@@ -74,10 +75,10 @@ class SJDModelLoader:
         if path is None:
             raise FileNotFoundError(missing_model_message(model))
         if weights not in WEIGHTS:
-            raise ValueError(f"SJD Model Loader: weights={weights!r} is not allowed: pick one of "
+            raise ValueError(f"SJD Model Loader: weights={quote(weights)} is not allowed: pick one of "
                              f"{list(WEIGHTS)}.")
         if placement not in PLACEMENTS:
-            raise ValueError(f"SJD Model Loader: placement={placement!r} is not allowed: pick "
+            raise ValueError(f"SJD Model Loader: placement={quote(placement)} is not allowed: pick "
                              f"one of {list(PLACEMENTS)}.")
         device = comfy_bridge.torch_device()
         quantized = weights in QUANTIZED_FORMATS
@@ -92,7 +93,7 @@ class SJDModelLoader:
         except (FileNotFoundError, ValueError, ImportError) as error:
             # The types themselves: subclasses (json's JSONDecodeError, ...) take other arguments.
             kind = next(k for k in (FileNotFoundError, ImportError, ValueError) if isinstance(error, k))
-            raise kind(f"SJD Model Loader: model={model!r} ({path}): {error}") from error
+            raise kind(f"SJD Model Loader: model={quote(model)} ({path}): {error}") from error
         # quantised tensors are not moved between devices by ComfyUI: they stay where loaded
         patcher = None if split or quantized else \
             comfy_bridge.wrap_for_memory_manager(_torch_modules(adapter), device)

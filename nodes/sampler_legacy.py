@@ -7,6 +7,7 @@ Its widgets and their order must not change: saved workflows store widget values
 
 from __future__ import annotations
 
+from ..sjd_core.messages import quote
 from ..sjd_core.decoding.settings import INIT_RULES, RELAXED_RULES, AccelerationSettings, SamplingSettings
 from .generation import RESOLUTIONS, Prompting, run_sampler
 from .handles import (CODES_TYPE, CUSTOM, FAMILY_RECIPE, MODEL_TYPE, TRACE_TYPE, LoadedModel,
@@ -41,7 +42,7 @@ def acceleration_settings(mode: str, widgets: dict) -> AccelerationSettings:
     switches as they are. Every other setting applies in every mode.
     """
     if mode not in MODES:
-        raise ValueError(f"{NODE}: mode={mode!r} is not allowed: pick one of {list(MODES)}.")
+        raise ValueError(f"{NODE}: mode={quote(mode)} is not allowed: pick one of {list(MODES)}.")
     names = {f for f in AccelerationSettings.__dataclass_fields__} - set(SWITCHES) - {"window"}
     shared = {name: widgets[name] for name in names if name in widgets}
     try:
@@ -61,7 +62,7 @@ def sampling_settings(model: LoadedModel, widgets: dict) -> SamplingSettings:
     """The family's recipe, or the four custom widgets when ``sampling`` is 'custom'."""
     choice = widgets["sampling"]
     if choice not in SAMPLING_CHOICES:
-        raise ValueError(f"{NODE}: sampling={choice!r} is not allowed: pick one of "
+        raise ValueError(f"{NODE}: sampling={quote(choice)} is not allowed: pick one of "
                          f"{list(SAMPLING_CHOICES)}.")
     if choice == FAMILY_RECIPE:
         return SamplingChoice().settings(model)

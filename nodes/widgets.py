@@ -16,6 +16,7 @@ import types
 import typing
 from dataclasses import MISSING, Field, fields
 
+from ..sjd_core.messages import quote
 from ..sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS, RELAXED_RULES,
                                           AccelerationSettings, SamplingSettings)
 
@@ -113,7 +114,7 @@ def preset_of(label: str) -> str:
     for name in PRESETS:
         if mode_label(name) == label:
             return name
-    raise ValueError(f"mode={label!r} is not allowed: pick one of {mode_choices()}.")
+    raise ValueError(f"mode={quote(label)} is not allowed: pick one of {mode_choices()}.")
 
 
 def is_lossy(name: str) -> bool:
@@ -182,7 +183,7 @@ def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
         options.update(min=-1e9 if low is None else low, max=1e9 if high is None else high,
                        step=step or 0.01)
         return ("FLOAT", options)
-    raise TypeError(f"{cls.__name__}.{name} has type {kind!r}, which no widget shows.")
+    raise TypeError(f"{cls.__name__}.{name} has type {quote(kind)}, which no widget shows.")
 
 
 def window_widget() -> tuple:

@@ -52,6 +52,8 @@ def describe_entry(path: str | os.PathLike) -> str:
         return _kind_of_mode(os.stat(path).st_mode)
     except FileNotFoundError:
         return "a symbolic link to nothing" if os.path.islink(path) else "missing"
+    except NotADirectoryError:  # a path through a file: nothing can be there
+        return "missing"
     except OSError as error:
         if error.errno == getattr(os, "ELOOP", 40) or "loop" in str(error).lower():
             return "a symbolic-link loop"
@@ -189,6 +191,9 @@ def read_json_object(path: str | os.PathLike, what: str = "file") -> dict:
 
 
 _NO_DEFAULT = object()
+_KIND_WORDS = {"int": "an integer", "number": "a finite number", "str": "a string",
+               "object": "an object", "int list": "a list of integers",
+               "number list": "a list of finite numbers", "str list": "a list of strings"}
 
 
 def _json_type(value: object) -> str:
@@ -199,33 +204,35 @@ def _json_type(value: object) -> str:
 
 def json_field(data: dict, name: str, source: str, kind: str, default: object = _NO_DEFAULT,
                minimum: int | None = None, length: int | None = None) -> object:
-    """``data[name]`` checked to be of ``kind``: ``int`` (not a bool; at least ``minimum``),
-    ``number``, ``str``, ``object``, ``int list``, ``number list`` or ``str list`` (of ``length`` items when
-    given). ValueError naming ``source``, the field, its value and what is allowed."""
+    """``data[name]`` checked to be of ``kind``, one of ``_KIND_WORDS`` (integers: not a bool,
+    at least ``minimum``; lists: of ``length`` items when given); ``default`` when the field is
+    absent, if given. ValueError naming ``source``, the field, its value and what is allowed."""
     if name not in data:
         if default is _NO_DEFAULT:
-            raise ValueError(f"{source} lacks the field {name!r} ({kind}); the file is damaged or "
-                             "not the checkpoint's.")
+            raise ValueError(f"{source} lacks the field {quote(name)} ({_KIND_WORDS[kind]}); the "
+                             "file is damaged or not the checkpoint's.")
         return default
     value = data[name]
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    is_number = lambda v: is_int(v) or (isinstance(v, float) and math.isfinite(v))  # noqa: E731
+    at_least = lambda v: minimum is None or v >= minimum  # noqa: E731
     checks = {
-        "int": lambda v: is_int(v) and (minimum is None or v >= minimum),
-        "number": lambda v: (is_int(v) or isinstance(v, float)) and math.isfinite(v),
+        "int": lambda v: is_int(v) and at_least(v),
+        "number": is_number,
         "str": lambda v: isinstance(v, str),
         "object": lambda v: isinstance(v, dict),
-        "number list": lambda v: isinstance(v, list) and all(
-            (is_int(x) or isinstance(x, float)) and math.isfinite(x) for x in v),
-        "int list": lambda v: isinstance(v, list) and all(is_int(x) and (minimum is None or x >= minimum)
-                                                          for x in v),
+        "number list": lambda v: isinstance(v, list) and all(map(is_number, v)),
+        "int list": lambda v: isinstance(v, list) and all(is_int(x) and at_least(x) for x in v),
         "str list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     }
     fits = checks[kind](value) and (length is None or len(value) == length)
     if not fits:
-        wanted = (f"a list of {length} " if length else "") + kind
+        wanted = _KIND_WORDS[kind]
+        if length is not None:
+            wanted = wanted.replace("a list of", f"a list of {length}")
         if minimum is not None:
             wanted += f" >= {minimum}"
-        raise ValueError(f"{source}: field {name!r}={quote(value)} is not allowed: it must be "
+        raise ValueError(f"{source}: field {quote(name)}={quote(value)} is not allowed: it must be "
                          f"{wanted}, got {_json_type(value)}; fix the field or download the file "
                          "again.")
     return value

@@ -224,6 +224,66 @@ def set_first_value(name: str, value: object) -> Callable[[dict], None]:
     return edit
 
 
+def fifo(name: str) -> Callable[[Path], None]:
+    """``name`` replaced by a FIFO: opening it for reading would block for ever."""
+    def change(folder: Path) -> None:
+        (folder / name).unlink(missing_ok=True)
+        os.mkfifo(folder / name)
+    return change
+
+
+def link(name: str, target: str) -> Callable[[Path], None]:
+    """``name`` replaced by a symbolic link to ``target`` ('LOOP': a link to itself)."""
+    def change(folder: Path) -> None:
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to(folder / name if target == "LOOP" else target)
+    return change
+
+
+def sparse(name: str, size: int) -> Callable[[Path], None]:
+    """``name`` grown to ``size`` bytes of zeros without writing them (a sparse file)."""
+    def change(folder: Path) -> None:
+        with open(folder / name, "r+b") as handle:
+            handle.truncate(size)
+    return change
+
+
+def load_link(target: str) -> Callable[[Bench], object]:
+    """``load_model`` on a path that is a symbolic link to ``target`` ('LOOP': to itself)."""
+    def call(bench: Bench):
+        path = bench.tmp / f"link-{target.strip('/').replace('/', '-')}"
+        path.unlink(missing_ok=True)
+        path.symlink_to(path if target == "LOOP" else target)
+        return load_model(path)
+    return call
+
+
+def trace_text(text: str) -> Callable[[Bench], object]:
+    return lambda bench: Trace.from_json(text)
+
+
+def reference_batch(batch: int) -> Callable[[Bench], object]:
+    """``generate`` on the embedded model; the network must not run before the refusal."""
+    def call(bench: Bench):
+        model = bench.model("reference")
+        calls = []
+        handle = model.network.register_forward_pre_hook(lambda *args: calls.append(1))
+        try:
+            return generate(model, GenerationRequest(prompt="a bag", batch_size=batch),
+                            SamplingSettings(guidance=2.0), AccelerationSettings.preset("auto"), 0)
+        finally:
+            handle.remove()
+            assert not calls, "the network ran before the batch was refused"
+    return call
+
+
+def loader_node_with_name(name: str) -> Callable[[Bench], object]:
+    def call(bench: Bench):
+        with mock.patch.dict(os.environ, {"SJD_MODELS_DIR": str(bench.folder("llamagen").parent)}):
+            return Loader().load(model=name, dtype="auto", placement=MANAGED)
+    return call
+
+
 def diagnose_over(shape: tuple[int, ...], blend: float = 0.5) -> Callable[[Bench], object]:
     def call(bench: Bench):
         _, trace, _ = bench.node_run()
@@ -334,7 +394,8 @@ CASES = [
     # --------------------------------------------------------- generate()
     Case("batch_size 10**9", generate_with(batch=10**9), ValueError,
          r"batch_size=1000000000 is not allowed: .* it would take about [\d,.]+ GiB \(16 nodes "
-         r"and a window of 16 over 16 codes per image\), and [\d,.]+ GiB are free; draw fewer",
+         r"and a window of 16 over 16 codes per image, 4x4 codes\), and [\d,.]+ GiB are free; "
+         r"draw fewer",
          generates),
     Case("batch_size 0", generate_with(batch=0), ValueError,
          r"batch_size=0 is not allowed: batch_size must be an integer >= 1", generates),
@@ -467,6 +528,116 @@ CASES = [
          r"committed_per_iteration sums to \[\d+\] slots per image, not 16", trace_reads),
     Case("trace: not JSON", lambda bench: Trace.from_json("{\"meta\": "), ValueError,
          r"trace: the text is not valid JSON \(.*\): pass what Trace.to_json wrote", trace_reads),
+    # --------------------------------------------------------- hostile file-system entries
+    Case("lumina: config.json is a FIFO", load_damaged("lumina", fifo("config.json")), ValueError,
+         r"file '.*Lumina-mGPT-7B-512/config.json' is a FIFO \(named pipe\), not a regular file",
+         loads("lumina")),
+    Case("janus: config.json links to /dev/zero",
+         load_damaged("janus", link("config.json", "/dev/zero")), ValueError,
+         r"file '.*Janus-Pro-1B/config.json' is a character device, not a regular file",
+         loads("janus")),
+    Case("janus: config.json is a symlink loop", load_damaged("janus", link("config.json", "LOOP")),
+         ValueError, r"file '.*config.json' is a symbolic-link loop, not a regular file",
+         loads("janus")),
+    Case("janus: config.json of 65 MiB", load_damaged("janus", sparse("config.json", 65 * 2**20)),
+         ValueError, r"file '.*config.json' holds 68,157,440 bytes or more, above the 67,108,864 "
+         r"this pack reads", loads("janus")),
+    Case("janus: tokenizer.json is a FIFO", load_damaged("janus", fifo("tokenizer.json")),
+         ValueError, r"Janus-Pro tokenizer file '.*tokenizer.json' is a FIFO", loads("janus")),
+    Case("janus: merges.txt links to /dev/zero",
+         load_damaged("janus", link("merges.txt", "/dev/zero")), ValueError,
+         r"Janus-Pro tokenizer file '.*merges.txt' is a character device", loads("janus")),
+    Case("reference: reference.json is a FIFO", load_damaged("reference", fifo("reference.json")),
+         ValueError, r"file '.*weights/reference.json' is a FIFO", loads("reference")),
+    Case("lumina: index is a FIFO", load_damaged("lumina", fifo("model.safetensors.index.json")),
+         ValueError, r"safetensors index '.*model.safetensors.index.json' is a FIFO",
+         loads("lumina")),
+    Case("lumina: a shard is a symlink loop",
+         load_damaged("lumina", link("model-00002-of-00003.safetensors", "LOOP")), ValueError,
+         r"weight shard '.*model-00002-of-00003.safetensors' is a symbolic-link loop",
+         loads("lumina")),
+    Case("llamagen: llamagen.json is a FIFO", load_damaged("llamagen", fifo("llamagen.json")),
+         ValueError, r"file '.*llamagen.json' is a FIFO", loads("llamagen")),
+    Case("model path is a symlink loop", load_link("LOOP"), ValueError,
+         r"Model path '.*link-LOOP' is a symbolic-link loop: a checkpoint is a folder or a "
+         r"weights file", loads("janus")),
+    Case("model path links to /dev/zero", load_link("/dev/zero"), ValueError,
+         r"Model path '.*link-dev-zero' is a character device", loads("janus")),
+    # --------------------------------------------------------- valid JSON of the wrong shape
+    Case("janus: config.json is a list", load_damaged("janus", write("config.json", "[1, 2]")),
+         ValueError, r"file '.*config.json' must hold a JSON object \(\{...\}\), got an array",
+         loads("janus")),
+    Case("reference: reference.json is a string",
+         load_damaged("reference", write("reference.json", '"reference"')), ValueError,
+         r"file '.*reference.json' must hold a JSON object .*, got a string", loads("reference")),
+    Case("reference: codebook_size as text",
+         load_damaged("reference", edit_json("reference.json",
+                                             lambda m: m.update(codebook_size="512"))),
+         ValueError, r"reference.json': field 'codebook_size'='512' is not allowed: it must be an "
+         r"integer >= 1, got a string", loads("reference")),
+    Case("reference: grid of one number",
+         load_damaged("reference", edit_json("reference.json", lambda m: m.update(grid=[16]))),
+         ValueError, r"field 'grid'=\[16\] is not allowed: it must be a list of 2 integers >= 1",
+         loads("reference")),
+    Case("reference: Infinity in the grid",
+         load_damaged("reference", edit_json("reference.json",
+                                             lambda m: m.update(grid=[16, float("inf")]))),
+         ValueError, r"reference.json' is not valid JSON \(it holds Infinity, which is not a JSON "
+         r"number\)", loads("reference")),
+    Case("reference: synonyms as a list",
+         load_damaged("reference", edit_json("reference.json", lambda m: m.update(synonyms=[]))),
+         ValueError, r"field 'synonyms'=\[\] is not allowed: it must be an object, got an array",
+         loads("reference")),
+    Case("reference: unknown recipe field",
+         load_damaged("reference", edit_json("reference.json",
+                                             lambda m: m["defaults"].update(cfg=2))),
+         ValueError, r"field 'defaults' has the unknown fields \['cfg'\]", loads("reference")),
+    Case("llamagen: image_size as text",
+         load_damaged("llamagen", edit_json("llamagen.json", lambda m: m.update(image_size="big"))),
+         ValueError, r"llamagen.json': field 'image_size'='big' is not allowed: it must be an "
+         r"integer >= 1", loads("llamagen")),
+    Case("llamagen: llamagen.json is a list", load_damaged("llamagen", write("llamagen.json", "[]")),
+         ValueError, r"llamagen.json' must hold a JSON object", loads("llamagen")),
+    Case("lumina: index nested 100,000 deep",
+         load_damaged("lumina", write("model.safetensors.index.json", "[" * 100_000 + "]" * 100_000)),
+         ValueError, r"model.safetensors.index.json' is not valid JSON for this pack \(its arrays "
+         r"and objects nest more than 64 deep\)", loads("lumina")),
+    Case("lumina: a number too large for a float",
+         load_damaged("lumina", write("model.safetensors.index.json", '{"weight_map": 1e999}')),
+         ValueError, r"is not valid JSON \(the number 1e999 is too large for a 64-bit float\)",
+         loads("lumina")),
+    Case("janus: image_mean as text",
+         load_damaged("janus", edit_json("preprocessor_config.json",
+                                         lambda c: c.update(image_mean="grey"))),
+         ValueError, r"preprocessor_config.json': field 'image_mean'='grey' is not allowed: it "
+         r"must be a list of 3 finite numbers", loads("janus")),
+    Case("janus: boi_token_id as text",
+         load_damaged("janus", write("generation_config.json", '{"boi_token_id": "5"}')),
+         ValueError, r"generation_config.json': field 'boi_token_id'='5' is not allowed: it must be "
+         r"an integer >= 0", loads("janus")),
+    Case("trace: nested 100,000 deep", trace_text("[" * 100_000 + "]" * 100_000), ValueError,
+         r"trace: the text is not valid JSON for this pack \(.* nest more than 64 deep\): pass "
+         r"what Trace.to_json wrote", trace_reads),
+    Case("trace: Infinity in an integer array",
+         edited_trace(set_first_value("commit_kind", float("inf"))), ValueError,
+         r"trace: the text is not valid JSON \(it holds Infinity", trace_reads),
+    Case("trace: 2**70 in an integer array",
+         edited_trace(set_first_value("commit_kind", 2**70)), ValueError,
+         r"trace: array 'commit_kind' is missing or unreadable \(.*int.*\)", trace_reads),
+    Case("trace: a list", trace_text("[]"), ValueError, r"it has no 'meta' object", trace_reads),
+    Case("trace: warnings as text", edited_trace(set_meta(warnings="late")), ValueError,
+         r"trace: meta warnings='late' is not allowed: it must be a list of strings", trace_reads),
+    Case("trace: no run_id", edited_trace(lambda body: body["meta"].pop("run_id")), ValueError,
+         r"trace: meta run_id=None is not allowed", trace_reads),
+    # --------------------------------------------------------- memory and echoes
+    Case("reference: batch 100,000 with auto", reference_batch(100_000), ValueError,
+         r"batch_size=100000 is not allowed: .* about [\d,.]+ GiB \(\d+ nodes and a window of 32 "
+         r"over 512 codes per image, 16x16 codes, guided\)", reference_draws),
+    Case("preset of no name", lambda bench: AccelerationSettings.preset(None), ValueError,
+         r"preset=None is not allowed: preset must be one of", generates),
+    Case("loader node: a 10 MB model name", loader_node_with_name("m" * 10 * 2**20),
+         FileNotFoundError, r"model='m{100,200}\.\.\. \(10,485,760 characters\) was not found",
+         loader_node_loads),
     # --------------------------------------------------------- diagnostics
     Case("diagnostics: 6x6 px image over 4x4 codes", diagnose_over((1, 6, 6, 3)), ValueError,
          r"image \(1 image\(s\) of 6x6 px\) does not belong to this trace \(1 image\(s\) of "
@@ -485,8 +656,8 @@ def bench(tmp_path_factory) -> Bench:
     return Bench(tmp_path_factory.mktemp("bad-input"))
 
 
-def test_the_table_covers_at_least_40_cases():
-    assert len(CASES) >= 40 and len({case.name for case in CASES}) == len(CASES)
+def test_the_table_covers_at_least_70_cases():
+    assert len(CASES) >= 70 and len({case.name for case in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -541,3 +712,118 @@ def test_library_errors_while_building_name_the_family_and_the_checkpoint(bench,
     assert type(raised.value.__cause__).__module__.split(".")[0] in registry.LIBRARIES
     monkeypatch.undo()
     loads("janus")(bench)
+
+
+# ------------------------------------------------------------------ folders and the route
+def test_a_models_folder_with_hostile_entries_still_lists_every_good_checkpoint(bench, tmp_path):
+    """A symbolic-link loop, a link to nothing, a FIFO and a link to /dev/zero among the models
+    leave the listing whole: each is left out and named where a model is not found, and the
+    loader still loads a good checkpoint from the same folder."""
+    from sjd_pack.nodes.model_files import missing_model_message, model_listing
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "good").symlink_to(bench.folder("llamagen"))
+    (models / "loop").symlink_to(models / "loop")
+    (models / "gone.safetensors").symlink_to(tmp_path / "nothing-here")
+    os.mkfifo(models / "pipe.safetensors")
+    (models / "zero.ckpt").symlink_to("/dev/zero")
+    with mock.patch.dict(os.environ, {"SJD_MODELS_DIR": str(models)}):
+        found, skipped = model_listing()
+        message = missing_model_message("absent")
+        loaded, _ = Loader().load(model="good", dtype="auto", placement=MANAGED)
+    assert "good" in found and not {"loop", "gone.safetensors", "pipe.safetensors"} & set(found)
+    assert [s.split(": ", 1)[1] for s in skipped] == [
+        "'gone.safetensors' is a symbolic link to nothing", "'loop' is a symbolic-link loop",
+        "'pipe.safetensors' is a FIFO (named pipe)", "'zero.ckpt' is a character device"]
+    assert "Left out of the listing" in message and "'loop' is a symbolic-link loop" in message
+    assert loaded.family == "llamagen"
+
+
+def test_the_resolutions_route_reads_off_the_event_loop_within_its_time_limit(monkeypatch):
+    """A checkpoint whose files take too long to read answers 504 after the time limit while the
+    event loop keeps running; a 10 MB model name is echoed quoted to a short answer."""
+    import asyncio
+    import time
+
+    from sjd_pack.nodes import resolutions_route
+
+    def stuck(model: str) -> tuple[int, dict]:
+        time.sleep(1.0)
+        return 200, {}
+
+    async def ask_while_ticking() -> tuple[tuple[int, dict], int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        answer = await resolutions_route.resolutions_answer("slow-model", time_limit=0.3)
+        ticker.cancel()
+        return answer, ticks
+
+    monkeypatch.setattr(resolutions_route, "resolutions_for", stuck)
+    (status, body), ticks = asyncio.run(ask_while_ticking())
+    assert status == 504 and "longer than 0.3 s" in body["error"] and ticks >= 10
+    monkeypatch.undo()
+    status, body = asyncio.run(resolutions_route.resolutions_answer("m" * 10 * 2**20))
+    assert status == 404 and len(json.dumps(body)) < 4 * MAX_MESSAGE
+    assert "(10,485,760 characters)" in body["error"]
+    status, body = asyncio.run(resolutions_route.resolutions_answer("reference (embedded)"))
+    assert status == 200 and body["resolutions"] == ["32x32"]
+
+
+# ------------------------------------------------------------------ memory
+PEAK_SCRIPT = """
+import sys, torch
+from torch.profiler import ProfilerActivity, profile
+torch.set_num_threads(1)
+from sjd_core.decoding import engine
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.registry import load_model
+from sjd_core.models.reference import WEIGHTS_DIR
+model = load_model(WEIGHTS_DIR, device="cpu")
+settings, sampling = AccelerationSettings.preset(sys.argv[2]), SamplingSettings(guidance=2.0)
+request = GenerationRequest(prompt="a bag", batch_size=int(sys.argv[1]))
+estimates = []  # what the batch check of the measured run estimated
+original = engine.decoding_bytes
+engine.decoding_bytes = lambda *args: estimates.append(original(*args)) or estimates[-1]
+class Enough(Exception):
+    pass
+def stop_after_24(report):  # the cache is whole from the first forward; the shapes vary
+    if report.iteration == 23:
+        raise Enough
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as run:
+    try:
+        engine.generate(model, request, sampling, settings, seed=0, on_iteration=stop_after_24)
+    except Enough:
+        pass
+held = peak = 0  # the allocator's bytes in use, event by event, and their largest value
+for event in sorted(run.events(), key=lambda e: e.time_range.start):
+    held += event.self_cpu_memory_usage
+    peak = max(peak, held)
+print(estimates[0], peak)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ar", "auto"])
+def test_the_batch_check_estimates_the_peak_within_2x(mode):
+    """The batch check's estimate (the KV cache with guidance, mask, attention, activations,
+    logits and drafts at the largest shape) against the peak of the bytes torch's CPU allocator
+    held (profiled) over the first 24 iterations of a batch of 64 on the embedded model: the
+    cache is allocated whole before the first forward."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, "64", mode], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    estimate, peak = map(int, out.stdout.split()[-2:])
+    print(f"\n| reference, {mode}, batch 64 | estimate {estimate / 2**20:.0f} MiB | peak "
+          f"{peak / 2**20:.0f} MiB | ratio {estimate / peak:.2f} |")
+    assert 0.5 <= estimate / peak <= 2.0

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from sjd_core.decoding.settings import DEFAULT_PRESET, AccelerationSettings
+from sjd_core.models import movqgan
 from sjd_core.tools import bench, demo
 from sjd_core.tools.cli import ImageProgress, default_threads
 from sjd_core.tools.reference import benchmark
@@ -81,15 +82,55 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     (bench, ["--images", "0"], "--images=0 is not allowed"),
     (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
     (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),
+    (demo, ["--threads", "-1"], "--threads=-1 is not allowed: it must be >= 0"),
+    (bench, ["--threads", "-1"], "argument --threads: '-1' is not allowed: it must be an integer >= 0"),
+    (demo, ["--out", __file__], "argument --out: '" + __file__ + "' is a file, not a folder"),
+    (bench, ["--json", "{tmp}"], "argument --json: '{tmp}' is a folder; name a file to write"),
+    (bench, ["--json", "{tmp}/no/such/folder.json"], "the folder '{tmp}/no/such' does not exist"),
+    (demo, ["--device", "cuda:99"], "argument --device: 'cuda:99' is not available"),
+    (bench, ["--device", "cuda:99"], "argument --device: 'cuda:99' is not available"),
+    (demo, ["--device", "tpu"], "argument --device: 'tpu' is not a torch device"),
+    (demo, ["--model", "/dev/zero", "--no-baseline"], "Model path '/dev/zero' is a character device"),
+    (bench, ["--model", "{tmp}/damaged.ckpt"], "'{tmp}/damaged.ckpt' is not a checkpoint of a known"),
+    (movqgan, ["{tmp}/damaged.ckpt", "{tmp}/out.safetensors"],
+     "Could not read '{tmp}/damaged.ckpt' as a weights-only checkpoint"),
+    (movqgan, ["{tmp}/refused.ckpt", "{tmp}/out.safetensors"], "weights-only"),
+    (movqgan, ["{tmp}/missing.ckpt", "{tmp}/out.safetensors"],
+     "MoVQGAN weights file '{tmp}/missing.ckpt' does not exist"),
+    (movqgan, ["{tmp}/damaged.ckpt", "{tmp}"], "argument out: '{tmp}' is a folder"),
 ])
 def test_mistakes_print_one_line_and_exit_2(tool, argv, expected, tmp_path, capsys):
+    """Every mistake a user can make on a command line (a bad argument, a device this machine
+    lacks, an output path that is taken, a missing, damaged or refused file) is one line on
+    stderr and exit code 2, before any long work."""
+    import torch
+
+    (tmp_path / "damaged.ckpt").write_bytes(bytes(range(256)) * 16)
+    torch.save({"state_dict": {"w": torch.zeros(1)}, "code": ImageProgress}, tmp_path / "refused.ckpt")
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    expected = expected.format(tmp=tmp_path)
     with pytest.raises(SystemExit) as stop:
-        tool.main(argv + (["--out", str(tmp_path)] if tool is demo else []))
+        tool.main(argv + (["--out", str(tmp_path)] if tool is demo and "--out" not in argv else []))
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert err[0].startswith(f"python -m {tool.__name__}: error: ")
     assert err[0].endswith("(run with --help for the options)") and "Traceback" not in err[0]
+
+
+def test_bench_refuses_a_batch_that_cannot_fit_before_any_generation(monkeypatch, capsys):
+    """``--batch 100000`` is refused by the batch check before transformers' generate() or any
+    mode runs."""
+    def never(*args, **kwargs):
+        raise AssertionError("a generation ran before the batch was refused")
+
+    monkeypatch.setattr(bench, "transformers_generate", never)
+    monkeypatch.setattr(bench, "timed", never)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--batch", "100000", "--images", "1", "--threads", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1
+    assert "batch_size=100000 is not allowed" in err[0] and "GiB are free" in err[0]
 
 
 @pytest.mark.parametrize("module", TOOLS)

@@ -396,11 +396,23 @@ def test_vp_counts_how_often_a_rise_predicted_the_committed_code(model, monkeypa
     assert plain.trace.summary()["vp_rises"] == {}
 
 
-@pytest.mark.parametrize("fault", ["raises", "nan", "zero"])
+CLOCK_FAULTS = {  # what the clock does from its fourth reading on -> what the warning says
+    "raises": (RuntimeError("the device's clock is gone"), "RuntimeError: the device's clock is gone"),
+    "raises KeyError": (KeyError("cuda event"), "KeyError: 'cuda event'"),
+    "raises ZeroDivisionError": (ZeroDivisionError("division by zero"),
+                                 "ZeroDivisionError: division by zero"),
+    "nan": (math.nan, "measured nan"), "zero": (0.0, "measured 0.0"),
+    "infinite": (math.inf, "measured inf"), "negative": (-1.0, "measured -1.0"),
+    "text": ("0.25", "measured '0.25'"), "bool": (True, "measured True"),
+    "tensor": (torch.tensor(0.25), "measured tensor(0.2500)"),
+}
+
+
+@pytest.mark.parametrize("fault", list(CLOCK_FAULTS))
 def test_auto_whose_clock_fails_feeds_a_fixed_window_and_says_so(model, monkeypatch, fault):
-    """A clock that raises or measures no positive time does not stop ``auto``: from then on it
-    feeds its longest window, the codes are still the model's (greedy: AR's), and the run's
-    summary says when and why."""
+    """A clock that raises anything or measures no finite positive number does not stop
+    ``auto``: from then on it feeds its longest window, the codes are still the model's
+    (greedy: AR's), and the run's summary says when and why."""
     reference = generate(model, request(2), GREEDY, AccelerationSettings(window=1), seed=0).codes
     timed = Clock.seconds_between
     calls = []
@@ -409,9 +421,10 @@ def test_auto_whose_clock_fails_feeds_a_fixed_window_and_says_so(model, monkeypa
         calls.append(first)
         if len(calls) <= 3:
             return timed(clock, first, last)
-        if fault == "raises":
-            raise RuntimeError("the device's clock is gone")
-        return math.nan if fault == "nan" else 0.0
+        reading = CLOCK_FAULTS[fault][0]
+        if isinstance(reading, Exception):
+            raise reading
+        return reading
 
     monkeypatch.setattr(Clock, "seconds_between", failing_after_three)
     result = generate(model, request(2), GREEDY, AccelerationSettings.preset("auto", window=8),
@@ -419,13 +432,23 @@ def test_auto_whose_clock_fails_feeds_a_fixed_window_and_says_so(model, monkeypa
     assert torch.equal(result.codes, reference)
     warnings = [w for w in result.trace.summary()["warnings"] if w.startswith("auto could not")]
     assert len(warnings) == 1, result.trace.summary()["warnings"]
-    expected = {"raises": "RuntimeError: the device's clock is gone", "nan": "measured nan",
-                "zero": "measured 0.0"}[fault]
+    expected = CLOCK_FAULTS[fault][1]
     assert expected in warnings[0] and "fixed window 8" in warnings[0]
     start = int(re.search(r"from iteration (\d+) on", warnings[0]).group(1))
     shapes = [result.trace.meta["shapes"][i] for i in result.trace.shape_per_iteration]
     assert start < len(shapes) and set(shapes[start:]) == {"window 8"}
     assert len(calls) == 4  # no further timing once it stopped
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_auto_fits_its_tree_into_every_window_the_widget_offers(model, window):
+    """``auto`` at a short window needs no pd_depth from the user: its tree is as deep as the
+    window allows (AR at window 1), and greedy codes are AR's."""
+    settings = AccelerationSettings.preset("auto", window=window)
+    assert settings.pd_depth <= max(window, 2) and settings.adaptive_shape == (window > 1)
+    reference = generate(model, request(2), GREEDY, AccelerationSettings(window=1), seed=0).codes
+    result = generate(model, request(2), GREEDY, settings, seed=0)
+    assert torch.equal(result.codes, reference)
 
 
 @pytest.mark.parametrize("codebook", [1, 2, 3])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..messages import quote
-from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
+from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     flat_rows, redraft, shift_window, take_rows
 from .planner import Plan, describe_shape, largest_shape, make_plan
@@ -249,16 +249,28 @@ class _Decoder:
 FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say
 
 
-def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool,
-                   history: bool) -> int:
-    """Estimated bytes of the engine's own tensors for one iteration (float32, not the model's).
+PROMPT_POSITIONS = 256  # cache positions counted for the prompt and its template (not more)
 
-    Per row: the logits of every fed node over the codebook (twice with guidance) and about four
-    tensors of that size while the target is made and verified, plus the window's draft
-    distributions (four of them with VP's history).
+
+def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool,
+                   history: bool, positions: int = 0, shape: MemoryShape | None = None) -> int:
+    """Estimated bytes one generation allocates beyond the weights, at its largest iteration.
+
+    The engine's own float32 tensors per row: the logits of every fed node over the codebook
+    (twice with guidance) and about four tensors of that size while the target is made and
+    verified, plus the window's draft distributions (four of them with VP's history). With the
+    model's ``shape`` and the session's ``positions`` (prompt, image, row ends and fed nodes),
+    per sequence (two per image with guidance): the KV cache, the attention mask and scores of
+    the fed nodes over every position, and the network's activations for the fed nodes.
     """
-    per_row = nodes * vocab * (6 if guided else 5) + window * vocab * (4 if history else 1)
-    return 4 * batch * per_row
+    per_row = 4 * (nodes * vocab * (6 if guided else 5) + window * vocab * (4 if history else 1))
+    if shape is not None:
+        sequences = 2 if guided else 1
+        cache = shape.layers * 2 * shape.kv_heads * shape.head_dim * positions
+        attention = nodes * positions * (1 + 2 * shape.heads)  # mask, scores and weights
+        activations = nodes * (4 * shape.hidden + 3 * shape.intermediate)
+        per_row += sequences * shape.dtype_bytes * (cache + attention + activations)
+    return batch * per_row
 
 
 def memory_budget(device: object) -> int:
@@ -273,15 +285,30 @@ def memory_budget(device: object) -> int:
         return FALLBACK_MEMORY
 
 
-def check_batch(batch: int, nodes: int, window: int, vocab: int, guided: bool, history: bool,
-                device: object) -> None:
-    """Refuse a batch whose decoding state cannot fit in the device's free memory."""
-    need, free = decoding_bytes(batch, nodes, window, vocab, guided, history), memory_budget(device)
-    require(need <= free, "batch_size", batch,
-             f"small enough for the decoding state to fit: it would take about {need / 2**30:,.1f} "
-             f"GiB ({nodes} nodes and a window of {window} over {vocab} codes per image), and "
-             f"{free / 2**30:,.1f} GiB are free; draw fewer images per run, or lower the window "
-             "or pd_candidates")
+def check_batch(model: ImageTokenModel, request: GenerationRequest, sampling: SamplingSettings,
+                acceleration: AccelerationSettings) -> None:
+    """Refuse a batch whose generation cannot fit in the free memory of the model's device
+    (CUDA's free memory, or the machine's available memory), before anything is allocated.
+
+    Counts what :func:`decoding_bytes` estimates at the largest shape ``acceleration`` feeds,
+    with the KV cache when the model carries a ``memory_shape``. ``generate`` calls it first;
+    tools that do other work with the same batch (a benchmark's baseline) call it before that.
+    """
+    acceleration = acceleration.for_codebook(model.codebook_size)
+    nodes = largest_shape(acceleration)
+    height, width = model.grid_for(request.resolution)
+    positions = PROMPT_POSITIONS + height * (width + 1) + 2 * nodes
+    guided = sampling.guidance != 1.0
+    need = decoding_bytes(request.batch_size, nodes, acceleration.window, model.codebook_size,
+                          guided, acceleration.verification_prediction, positions,
+                          getattr(model, "memory_shape", None))
+    free = memory_budget(model.device)
+    require(need <= free, "batch_size", request.batch_size,
+             f"small enough for the generation to fit: it would take about {need / 2**30:,.1f} "
+             f"GiB ({nodes} nodes and a window of {acceleration.window} over "
+             f"{model.codebook_size} codes per image, {height}x{width} codes"
+             f"{', guided' if guided else ''}), and {free / 2**30:,.1f} GiB are free; draw fewer "
+             "images per run, or lower the window or pd_candidates")
 
 
 @torch.inference_mode()
@@ -301,12 +328,11 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     decoding state would not fit in the device's memory.
     """
     _check_arguments(request, seed)
+    check_batch(model, request, sampling, acceleration)
     acceleration = acceleration.for_codebook(model.codebook_size)
     device = torch.device(model.device)
     marks: list = []  # the recorder's clock, once the decoder exists
     max_nodes = largest_shape(acceleration)
-    check_batch(request.batch_size, max_nodes, acceleration.window, model.codebook_size,
-                sampling.guidance != 1.0, acceleration.verification_prediction, device)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
     plan: Plan = make_plan(acceleration, model, request, sampling, device,
                            lambda i: marks[0].seconds_between(4 * i, 4 * i + 3),

@@ -13,6 +13,7 @@ this model and machine (see the class docstring).
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -20,6 +21,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from ..messages import first_line, quote
 from ..models.protocol import GenerationRequest, ImageTokenModel
 from .drafting import DraftTree, tree_profiles, uniform_profile
 from .settings import AccelerationSettings, SamplingSettings
@@ -185,7 +187,7 @@ class AutoPlan:
     starts from it. The interval to the next run is set when a run ends, from what it measured.
     The iterations themselves are the timing probes, so measuring costs no extra forward pass.
     What is learnt is kept for the next generation with the same model, device, batch and
-    settings. If the clock fails (an error, or a time that is not a positive number), the rest of
+    settings. If the clock fails (any exception, or a time that is not a finite positive number), the rest of
     the generation feeds the longest window, and ``warnings`` says so.
     """
 
@@ -377,13 +379,14 @@ class AutoPlan:
         for iteration, nodes in self.pending:
             try:
                 seconds = self.seconds_of(iteration)
-            except RuntimeError as error:  # a device clock that cannot be read
-                self._stop_timing(iteration, f"{type(error).__name__}: {error}")
+            except Exception as error:  # a device clock that cannot be read, whatever it raises
+                self._stop_timing(iteration, f"{type(error).__name__}: {first_line(error)}")
                 return
             if seconds is None:
                 still.append((iteration, nodes))
-            elif not 0.0 < seconds < math.inf:
-                self._stop_timing(iteration, f"it measured {seconds!r} seconds")
+            elif not (isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+                      and 0.0 < seconds < math.inf):
+                self._stop_timing(iteration, f"it measured {quote(seconds)} seconds")
                 return
             else:
                 self.profile.time(nodes, seconds)

@@ -55,6 +55,21 @@ def tree_nodes(window: int, candidates: int, depth: int) -> int:
     return sum(candidates ** level for level in range(levels + 1)) + window - 1 - levels
 
 
+def _auto_within(base: dict, window: object, overridden: set[str]) -> dict:
+    """``auto``'s preset fitted into ``window``: its tree no deeper than the window, and at
+    window 1 (where nothing is drafted) plain autoregression. Only what the caller did not set
+    is fitted; a window that is no integer is left for the settings' own check to refuse."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return base
+    fitted = dict(base)
+    if "pd_depth" not in overridden:
+        fitted["pd_depth"] = max(2, min(base["pd_depth"], window))
+    if window == 1:
+        fitted.update({name: False for name in ("adaptive_continuation", "proactive_drafting",
+                                                 "adaptive_shape") if name not in overridden})
+    return fitted
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How logits become the target distribution: CFG -> temperature -> top-k -> top-p.
@@ -242,7 +257,9 @@ class AccelerationSettings:
         """``auto``, ``ar``, ``sjd``, ``pac`` (SJD+AC+PD) or ``pac+vp``, with optional overrides.
 
         ``auto`` is cost-aware speculation with everything that pays on its own: AC, drafts for
-        new slots from the target above, PD trees and windows up to 32 chosen per iteration.
+        new slots from the target above, PD trees and windows up to 32 chosen per iteration. With
+        a shorter ``window`` its trees are only as deep as the window (depth 2 at window 2), and
+        at window 1 it is plain autoregression.
         """
         base = {
             "auto": dict(window=32, init="above_target", adaptive_continuation=True,
@@ -254,9 +271,13 @@ class AccelerationSettings:
             "pac+vp": dict(adaptive_continuation=True, proactive_drafting=True,
                            verification_prediction=True),
         }
+        require(isinstance(name, str), "preset", name, f"one of {PRESETS}")
         key = name.lower().replace(" ", "")
         require(key in base, "preset", name, f"one of {PRESETS}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
         require(not unknown, "override", unknown, f"names of AccelerationSettings fields {sorted(known)}")
-        return replace(cls(**base[key]), **overrides)
+        chosen = base[key]
+        if key == "auto":
+            chosen = _auto_within(chosen, overrides.get("window", chosen["window"]), set(overrides))
+        return replace(cls(**chosen), **overrides)

@@ -356,7 +356,7 @@ class Trace:
                     values = np.where(values == None, np.nan, values)  # noqa: E711
                 arrays[name] = values.astype(kind).reshape(entry["shape"])
             except (KeyError, TypeError, ValueError, OverflowError) as error:
-                raise ValueError(f"trace: array {name!r} is missing or unreadable "
+                raise ValueError(f"trace: array {quote(name)} is missing or unreadable "
                                  f"({first_line(error)}); pass what Trace.to_json wrote.") from error
         trace = cls(meta=body["meta"], **arrays)
         trace.validate()
@@ -404,7 +404,7 @@ class Trace:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise ValueError(
-                    f"trace: array {name!r} has shape {actual}, but the meta (grid "
+                    f"trace: array {quote(name)} has shape {actual}, but the meta (grid "
                     f"{height}x{width}, batch {batch}) and {iterations} iterations make it "
                     f"{shape}: the trace was edited or put together from different runs.")
         committed = self.committed_per_iteration

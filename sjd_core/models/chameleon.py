@@ -40,7 +40,7 @@ from .family_common import (check_codes, check_prompt_length, encode, load_confi
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
-from .protocol import GenerationRequest, SamplingDefaults
+from .protocol import GenerationRequest, MemoryShape, SamplingDefaults
 from .vqgan import VQGANDecoder, load_vqgan_decoder
 
 __all__ = ["ChameleonImageModel", "TokenLayout", "VQGAN_PLACES", "find_vqgan", "synthetic_vocabulary",
@@ -200,7 +200,7 @@ class TokenLayout:
 
         def token(name: str) -> int:
             if name not in vocab:
-                raise ValueError(f"config.json's vocabulary_map lacks {name!r}, which {family} needs.")
+                raise ValueError(f"config.json's vocabulary_map lacks {quote(name)}, which {family} needs.")
             return int(vocab[name])
 
         lumina = family == LUMINA
@@ -231,6 +231,7 @@ class ChameleonImageModel:
         self._pixels_per_code = layout.pixels_per_code
         self.codebook_size = len(layout.code_ids)
         self.device = input_device(model)
+        self.memory_shape = MemoryShape.of_config(model.config, next(model.parameters()).dtype)
         self.code_ids = layout.code_ids.to(self.device)
         ids = layout.code_ids
         self._contiguous = bool((ids == ids[0] + torch.arange(len(ids))).all())

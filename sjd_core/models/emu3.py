@@ -31,7 +31,7 @@ from .family_common import (check_codes, check_prompt_length, config_model_type,
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
-from .protocol import GenerationRequest, SamplingDefaults
+from .protocol import GenerationRequest, MemoryShape, SamplingDefaults
 
 POSITIVE_SUFFIX = " masterpiece, film grained, best quality."
 NEGATIVE_PROMPT = ("lowres, bad anatomy, bad hands, text, error, missing fingers, extra digit, fewer "
@@ -100,6 +100,7 @@ class Emu3Model:
         self.tokenizer = tokenizer
         self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
+        self.memory_shape = MemoryShape.of_config(model.config, next(model.parameters()).dtype)
         vocab = model.config.vocabulary_map
         ids = visual_code_ids(vocab)
         if not torch.equal(ids, ids[0] + torch.arange(len(ids))):

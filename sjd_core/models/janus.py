@@ -27,7 +27,7 @@ from .family_common import (check_codes, check_prompt_length, config_model_type,
 from .hf_session import Context, DecoderParts, HFSession
 from .weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                       safetensors_files)
-from .protocol import GenerationRequest, SamplingDefaults
+from .protocol import GenerationRequest, MemoryShape, SamplingDefaults
 
 PROMPT_TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"
 IMAGE_START_TOKEN = "<begin_of_image>"
@@ -50,6 +50,7 @@ class JanusModel:
         self.bos_id, self.image_start_id, self.pad_id = bos_id, image_start_id, pad_id
         self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
+        self.memory_shape = MemoryShape.of_config(model.config, next(model.parameters()).dtype)
         vq = model.model.vqmodel
         self.codebook_size = int(vq.config.num_embeddings)
         side = int(vq.config.num_patches)
@@ -116,7 +117,7 @@ def detect(path: Path) -> bool:
 def _token_id(tokenizer, token: str, where: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"Janus-Pro tokenizer lacks {token!r} and {where} does not name its id.")
+        raise ValueError(f"Janus-Pro tokenizer lacks {quote(token)} and {where} does not name its id.")
     return int(token_id)
 
 

@@ -137,10 +137,10 @@ class LlamaGenModel:
             return self._class_names[text.lower()]
         if not self._class_names:
             raise ValueError(f"prompt={quote(prompt)} is not a class index, and there is no {CLASS_NAMES_FILE} "
-                             f"in {str(self.folder)!r} to look names up: give an index 0..{n - 1}, or "
+                             f"in {quote(str(self.folder))} to look names up: give an index 0..{n - 1}, or "
                              f"add that file (one class name per line, line i = class i).")
         raise ValueError(f"prompt={quote(prompt)} is not a class index 0..{n - 1} nor a class name listed in "
-                         f"{str(self.folder / CLASS_NAMES_FILE)!r}.")
+                         f"{quote(str(self.folder / CLASS_NAMES_FILE))}.")
 
     def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
         weight = next(self.model.cond_embedder.parameters())
@@ -174,7 +174,7 @@ class LlamaGenModel:
 
             loaded = load_file(str(require_regular_file(features, "extra['caption_embeddings'] file")))
             if "caption_embeddings" not in loaded:
-                raise ValueError(f"{str(features)!r} holds no 'caption_embeddings' tensor "
+                raise ValueError(f"{quote(str(features))} holds no 'caption_embeddings' tensor "
                                  f"(found {sorted(loaded)}).")
             features, mask = loaded["caption_embeddings"], loaded.get("caption_mask", mask)
         if not isinstance(features, torch.Tensor) or features.dim() not in (2, 3) \
@@ -208,7 +208,7 @@ class LlamaGenModel:
                     "This text-conditional LlamaGen model needs FLAN-T5-XL caption features. Either pass "
                     "precomputed features as extra['caption_embeddings'] (a (tokens, "
                     f"{self.spec.caption_dim}) tensor or a .safetensors file), or put the google/flan-t5-xl "
-                    f"encoder (config.json, model weights, tokenizer) in {str(self.folder / T5_FOLDERS[0])!r}.")
+                    f"encoder (config.json, model weights, tokenizer) in {quote(str(self.folder / T5_FOLDERS[0]))}.")
             from transformers import AutoTokenizer, T5EncoderModel
 
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -295,7 +295,7 @@ def resolutions_on_disk(path: Path) -> list[tuple[int, int]]:
     gpt_file, _ = _checkpoint_files(path)
     size = read_settings(gpt_file.parent).get("image_size") or image_size_from_name(gpt_file.name)
     if size is None:
-        raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
+        raise ValueError(f"The image size LlamaGen checkpoint {quote(gpt_file.name)} was trained at is not in "
                          f"its name (such as c2i_L_384.pt): set \"image_size\" in {gpt_file.parent / SIDECAR}.")
     return [(int(size), int(size))]
 
@@ -309,7 +309,7 @@ def build(path: Path, device=None, dtype=None, device_map=None, weights: str | N
     settings = read_settings(folder)
     size = settings.get("image_size") or image_size_from_name(gpt_file.name)
     if size is None:
-        raise ValueError(f"The image size LlamaGen checkpoint {gpt_file.name!r} was trained at is not in "
+        raise ValueError(f"The image size LlamaGen checkpoint {quote(gpt_file.name)} was trained at is not in "
                          f"its name (such as c2i_L_384.pt): set \"image_size\" in {folder / SIDECAR}.")
     vq_config, vq_state = vq_to_janus(read_state_dict(vq_file), source=str(vq_file))
     factor = vq_downsample(vq_config)

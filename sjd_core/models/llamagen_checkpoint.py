@@ -90,10 +90,10 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except (SafetensorError, OSError) as error:
-            raise ValueError(f"LlamaGen weights file {str(path)!r} is not a readable safetensors file "
+            raise ValueError(f"LlamaGen weights file {quote(str(path))} is not a readable safetensors file "
                              f"(truncated or damaged?): {error}") from None
     if path.stat().st_size == 0:
-        raise ValueError(f"LlamaGen weights file {str(path)!r} is empty (0 bytes): the download did "
+        raise ValueError(f"LlamaGen weights file {quote(str(path))} is empty (0 bytes): the download did "
                          "not complete; download it again.")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
@@ -102,17 +102,17 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as error:
         refused_code, reason = _unpickler_reason(error)
         if not refused_code:
-            raise ValueError(f"LlamaGen weights file {str(path)!r} cannot be read as a PyTorch "
+            raise ValueError(f"LlamaGen weights file {quote(str(path))} cannot be read as a PyTorch "
                              f"checkpoint ({reason}): it is truncated or damaged; download it "
                              "again.") from None
         raise ValueError(
-            f"LlamaGen weights file {str(path)!r} holds Python objects other than tensors (code or "
+            f"LlamaGen weights file {quote(str(path))} holds Python objects other than tensors (code or "
             f"custom classes); it is refused because only weights-only pickles are read. Use the "
             f"official file, or re-save just its state dict from a trusted environment. ({reason})"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as error:
         # random bytes make the unpickler fail in many ways; all of them mean a damaged file
-        raise ValueError(f"LlamaGen weights file {str(path)!r} cannot be read as a PyTorch checkpoint "
+        raise ValueError(f"LlamaGen weights file {quote(str(path))} cannot be read as a PyTorch checkpoint "
                          f"({first_line(error)}): it is truncated or damaged; download it again."
                          ) from None
     state = loaded
@@ -123,7 +123,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 break
     if not isinstance(state, dict) or not state or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise ValueError(f"LlamaGen weights file {str(path)!r} holds no state dict: expected a dict of "
+        raise ValueError(f"LlamaGen weights file {quote(str(path))} holds no state dict: expected a dict of "
                          f"tensors, or one under 'model', 'module' or 'state_dict'.")
     return state
 
@@ -342,7 +342,7 @@ def convert_to_safetensors(gpt: str | Path, vq: str | Path, out_dir: str | Path,
     size = image_size or settings.get("image_size") or image_size_from_name(gpt.name)
     n_head = n_head or settings.get("n_head")
     if size is None:
-        raise ValueError(f"The image size of {gpt.name!r} is not in its name (such as c2i_L_384.pt); "
+        raise ValueError(f"The image size of {quote(gpt.name)} is not in its name (such as c2i_L_384.pt); "
                          f"pass image_size (256, 384 or 512, the size it was trained at).")
     gpt_state = read_state_dict(gpt)
     spec = infer_spec(shapes_of(gpt_state), size, n_head, source=str(gpt))

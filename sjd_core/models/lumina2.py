@@ -93,7 +93,7 @@ def read_layout(vocab: dict[str, int], bos: int | None, vocab_size: int, codeboo
     """
     def token(name: str) -> int:
         if name not in vocab:
-            raise ValueError(f"The vocabulary lacks {name!r}, which {FAMILY} needs: the tokenizer files "
+            raise ValueError(f"The vocabulary lacks {quote(name)}, which {FAMILY} needs: the tokenizer files "
                              "do not belong to a Lumina-mGPT 2.0 checkpoint.")
         return int(vocab[name])
 
@@ -151,7 +151,7 @@ def build(folder: Path, device=None, dtype=None, device_map=None, weights: str |
     vocab = {**config.vocabulary_map, **tokenizer.get_vocab()}
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if bos is None:
-        raise ValueError(f"The tokenizer in {str(folder)!r} names neither a BOS nor an EOS token; "
+        raise ValueError(f"The tokenizer in {quote(str(folder))} names neither a BOS nor an EOS token; "
                          f"{FAMILY} prompts start with one.")
     resolutions = lumina_resolutions(TRAINED_SIZE)
     layout = read_layout(vocab, int(bos), config.vocab_size, decoder.config.n_embed, resolutions)

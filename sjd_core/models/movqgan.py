@@ -57,7 +57,7 @@ class MoVQConfig:
         """The decoder configuration implied by a checkpoint's tensor shapes."""
         def shape(name: str) -> tuple[int, ...]:
             if name not in shapes:
-                raise ValueError(f"{source} is not a MoVQGAN checkpoint: it has no {name!r} tensor.")
+                raise ValueError(f"{source} is not a MoVQGAN checkpoint: it has no {quote(name)} tensor.")
             return shapes[name]
 
         levels = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"decoder\.up\.(\d+)\.", k))})
@@ -238,7 +238,7 @@ def convert_to_safetensors(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def _main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Command-line converter: one line and exit code 2 for a missing, damaged or refused file."""
     parser = ArgumentParser(prog=PROG, description="Convert the decoder of a MoVQGAN .ckpt to "
                                                    "safetensors (read weights-only, checked).")
@@ -249,4 +249,4 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()

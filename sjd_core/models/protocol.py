@@ -72,6 +72,35 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class MemoryShape:
+    """What sizes a decoding session's memory, for the engine's batch check before any work.
+
+    A model may carry one as ``memory_shape`` (weights are not counted: they are loaded already).
+    ``dtype_bytes``: bytes per value of the cache and the activations.
+    """
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    dtype_bytes: int
+
+    @classmethod
+    def of_config(cls, config: object, dtype: torch.dtype) -> "MemoryShape":
+        """From a transformers config (its text config where it has one, as Janus does)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        hidden = int(text.hidden_size)
+        return cls(layers=int(text.num_hidden_layers), heads=heads,
+                   kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(text, "head_dim", None) or hidden // heads), hidden=hidden,
+                   intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+                   dtype_bytes=dtype.itemsize)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What to draw: one prompt (or class name) per batch row, or one prompt for all rows."""
 
@@ -134,6 +163,8 @@ class ImageTokenModel(Protocol):
     device: torch.device
     recipes: Mapping[str, SamplingDefaults]  # name -> official recipe, the default first
     defaults: SamplingDefaults  # the first of ``recipes``
+    # optional: ``memory_shape: MemoryShape``, so that the engine counts the KV cache and the
+    # network's activations when it checks a batch (without it, only the engine's own tensors)
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
         """(width, height) pairs in pixels this model can draw; the first is the default."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..messages import quote
-from .protocol import GenerationRequest, SamplingDefaults
+from .protocol import GenerationRequest, MemoryShape, SamplingDefaults
 from .session.kv_store import KVStore
 from .session.slot_session import Fed, SlotSession
 
@@ -121,6 +121,9 @@ class SyntheticModel(nn.Module):
         torch.random.set_rng_state(generator_state)
         self.device = torch.device(device)
         self.to(self.device).eval()
+        self.memory_shape = MemoryShape(layers=layers, heads=heads, kv_heads=heads,
+                                        head_dim=width // heads, hidden=width,
+                                        intermediate=4 * width, dtype_bytes=4)
         self.recipes = {RECIPE: SamplingDefaults(guidance=3.0, temperature=1.0, top_k=0)}
         self.defaults = self.recipes[RECIPE]
 

@@ -166,20 +166,20 @@ def load_vqgan_decoder(config_file: Path, checkpoint_file: Path, device: torch.d
     try:
         blob = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle errors of many kinds: a file that is not plain tensors
-        raise ValueError(f"Could not read {str(checkpoint_file)!r} as a weights-only checkpoint ({err}); "
+        raise ValueError(f"Could not read {quote(str(checkpoint_file))} as a weights-only checkpoint ({err}); "
                          "it must be the original Chameleon vqgan.ckpt (tensors only, nothing executable).") from err
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict):
-        raise ValueError(f"{str(checkpoint_file)!r} holds no state dict of tensors.")
+        raise ValueError(f"{quote(str(checkpoint_file))} holds no state dict of tensors.")
     with torch.device("meta"):
         model = VQGANDecoder(cfg)
     wanted = {k: v for k, v in state.items() if k in model.state_dict()}
     missing = sorted(set(model.state_dict()) - set(wanted))
     if missing:
-        raise ValueError(f"{str(checkpoint_file)!r} does not match {config_file.name}: missing {missing[:6]}"
+        raise ValueError(f"{quote(str(checkpoint_file))} does not match {config_file.name}: missing {missing[:6]}"
                          f"{' ...' if len(missing) > 6 else ''}.")
     try:
         model.load_state_dict(wanted, assign=True)
     except RuntimeError as err:
-        raise ValueError(f"{str(checkpoint_file)!r} does not match {config_file.name}: {err}") from err
+        raise ValueError(f"{quote(str(checkpoint_file))} does not match {config_file.name}: {err}") from err
     return model.to(device=device, dtype=dtype).eval()

@@ -63,7 +63,7 @@ def quantization_config(weights: str | None, device: torch.device,
         import torchao  # noqa: F401
         from transformers import TorchAoConfig
     except ImportError as error:
-        raise ImportError(f"weights={weights!r} needs the torchao library, which is not installed: "
+        raise ImportError(f"weights={quote(weights)} needs the torchao library, which is not installed: "
                           f"{QUANTIZATION_EXTRA}; or pick bf16, fp16 or fp32.") from error
     if weights == "int8":
         from torchao.quantization import Int8WeightOnlyConfig
@@ -115,10 +115,10 @@ def resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     if weights is not None and weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights={weights!r} is not allowed: use one of {WEIGHT_FORMATS}.")
+        raise ValueError(f"weights={quote(weights)} is not allowed: use one of {WEIGHT_FORMATS}.")
     if weights in FLOAT_FORMATS:
         if dtype is not None and dtype != FLOAT_FORMATS[weights]:
-            raise ValueError(f"weights={weights!r} and dtype={dtype} disagree: give one of them.")
+            raise ValueError(f"weights={quote(weights)} and dtype={dtype} disagree: give one of them.")
         dtype = FLOAT_FORMATS[weights]
     if weights == "int4" and dev.type == "cuda":
         if dtype not in (None, torch.bfloat16):
@@ -174,7 +174,7 @@ def _shard(folder: Path, index: Path, name: object) -> Path:
     readings = (PurePosixPath(name), PureWindowsPath(name)) if isinstance(name, str) else ()
     if not name or not readings or any(p.anchor or ".." in p.parts for p in readings):
         raise ValueError(f"{quote(str(index))} names the shard {quote(name)}, which is not a file inside "
-                         f"{str(folder)!r}; shard names must be file names in the checkpoint "
+                         f"{quote(str(folder))}; shard names must be file names in the checkpoint "
                          "folder. Download the index again.")
     return folder / name
 
@@ -194,7 +194,7 @@ def _owner(name: str, device_map: dict) -> str | int | torch.device:
         prefix = ".".join(parts[:i])
         if prefix in device_map:
             return device_map[prefix]
-    raise ValueError(f"device_map does not place parameter {name!r}; give every module a device "
+    raise ValueError(f"device_map does not place parameter {quote(name)}; give every module a device "
                      "(a dict key '' places the whole model).")
 
 
@@ -294,7 +294,7 @@ def load_transformers_model(model_class: type, config, files: list[Path] | Itera
                 unexpected.append(name)
                 continue
             if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                raise ValueError(f"Checkpoint tensor {quote(name)} has shape {tuple(tensor.shape)}, the model "
                                  f"expects {tuple(expected[name].shape)}: the config does not match the weights.")
             target = dtype if (tensor.is_floating_point() and not any(k in name for k in keep_float32)) else None
             where = device if placement is None else _owner(name, placement)

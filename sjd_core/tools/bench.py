@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..messages import quote
 from ..decoding.settings import AccelerationSettings, SamplingSettings
-from .cli import ArgumentParser, ImageProgress, run_command, set_threads
+from ..command_line import ArgumentParser, device_name, new_file, non_negative_int, run_command
+from .cli import ImageProgress, set_threads
 
 if TYPE_CHECKING:
     from ..models.protocol import GenerationRequest, ImageTokenModel
@@ -67,7 +69,7 @@ def timed(model: ImageTokenModel, request: GenerationRequest, sampling: Sampling
     """``generate`` with a progress bar; returns the result and its wall-clock seconds."""
     from ..decoding.engine import generate
 
-    bar = ImageProgress(f"{acceleration.mode_name} {request.prompt!r} seed {seed}")
+    bar = ImageProgress(f"{acceleration.mode_name} {quote(request.prompt)} seed {seed}")
     start = time.perf_counter()
     try:
         result = generate(model, request, sampling, acceleration, seed=seed, on_iteration=bar,
@@ -230,9 +232,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated modes (default: all: {','.join(MODES)})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the records to this file")
-    parser.add_argument("--device", default=None, help="default: CUDA if present, else CPU")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--json", default=None, type=new_file,
+                        help="also write the records to this file")
+    parser.add_argument("--device", default=None, type=device_name,
+                        help="default: CUDA if present, else CPU")
+    parser.add_argument("--threads", type=non_negative_int, default=0,
                         help="CPU threads for torch (default 0: the usable cores, at most 4); 1 "
                              "keeps timings steady on a machine that is busy with other work")
     parser.add_argument("--cache-scaling", action="store_true",
@@ -241,7 +245,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
-        parser.error(f"--modes={args.modes!r} is not allowed: {unknown} are not modes; pick "
+        parser.error(f"--modes={quote(args.modes)} is not allowed: {unknown} are not modes; pick "
                      f"from {list(MODES)}")
     for flag in ("images", "batch"):
         if getattr(args, flag) < 1:
@@ -274,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 def _run(args: argparse.Namespace) -> list[dict]:
     import torch
 
+    from ..decoding.engine import check_batch
+    from ..models.protocol import GenerationRequest
+
     threads = set_threads(args.threads)
     if args.cache_scaling:
         from . import session_bench
@@ -288,6 +295,9 @@ def _run(args: argparse.Namespace) -> list[dict]:
         sampling = SamplingSettings(guidance=recipe.guidance, temperature=1.5, top_k=recipe.top_k)
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: MODES[name] for name in args.modes.split(",")}
+    for acceleration in modes.values():  # before any mode (or generate()) runs a batch
+        check_batch(model, GenerationRequest(prompt=prompts[0], batch_size=args.batch), sampling,
+                    acceleration)
     with_generate = getattr(model, "family", "") == "reference"
     print(f"{args.model} model, {device}, {threads} torch CPU thread(s), {sampling}, "
           f"{args.images} batch(es) of {args.batch} per mode", flush=True)

@@ -1,4 +1,5 @@
-"""What the command-line tools share: one-line errors, a progress bar per image, thread count.
+"""What the command-line tools share: one-line errors (:mod:`sjd_core.command_line`), a progress
+bar per image, thread count.
 
 Importing this module is cheap (no torch): the tools parse their arguments first, so ``--help``
 and argument errors answer at once, and import torch and the models only to run.
@@ -6,46 +7,13 @@ and argument errors answer at once, and import torch and the models only to run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..decoding.engine import IterationReport
-
-Result = TypeVar("Result")
-USAGE_ERROR = 2  # the exit code of argparse's own errors, used for every mistake a user can make
-HINT = "run with --help for the options"
-
-
-def one_line(text: object) -> str:
-    """``text`` with its line breaks and runs of spaces folded into single spaces."""
-    return " ".join(str(text).split())
-
-
-def fail(prog: str, message: object, hint: str = HINT) -> NoReturn:
-    """Print ``prog: error: message (hint)`` as one line on stderr and exit with code 2."""
-    print(f"{prog}: error: {one_line(message)} ({hint})", file=sys.stderr, flush=True)
-    raise SystemExit(USAGE_ERROR)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with its errors in the tools' one-line form (no usage block)."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(self.prog, message)
-
-
-def run_command(prog: str, command: Callable[[], Result]) -> Result:
-    """Run ``command``; a ValueError or FileNotFoundError (a bad prompt, setting or path) becomes
-    one line on stderr and exit code 2 instead of a traceback."""
-    try:
-        return command()
-    except (ValueError, FileNotFoundError) as error:
-        fail(prog, error)
 
 
 def default_threads() -> int:

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..messages import quote
 from ..decoding.settings import DEFAULT_PRESET, PRESETS, AccelerationSettings
-from .cli import ArgumentParser, ImageProgress, run_command, set_threads
+from ..command_line import ArgumentParser, device_name, output_folder, run_command
+from .cli import ImageProgress, set_threads
 
 if TYPE_CHECKING:
     from ..decoding.engine import GenerationResult
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", nargs="+", default=[DEFAULT_PROMPT],
                         help="one or more prompts; for the embedded model a Fashion-MNIST class "
                              "name or synonym, e.g. sneaker, 'ankle boot', bag "
-                             f"(default: {DEFAULT_PROMPT!r})")
+                             f"(default: {quote(DEFAULT_PROMPT)})")
     parser.add_argument("--mode", default=DEFAULT_PRESET, choices=PRESETS,
                         help="accelerated mode to run (default: %(default)s)")
     parser.add_argument("--window", type=int, default=0,
@@ -65,8 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=None, help="1.0 = off (default: the model's)")
     parser.add_argument("--model", default=None,
                         help="checkpoint folder (default: the embedded reference model)")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: CUDA if present)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    parser.add_argument("--device", default=None, type=device_name,
+                        help="e.g. cpu, cuda (default: CUDA if present)")
+    parser.add_argument("--out", default=DEFAULT_OUT, type=output_folder,
+                        help="output folder (default: %(default)s)")
     parser.add_argument("--name", default=None,
                         help="file name stem (default: the prompt, or 'samples' for several)")
     parser.add_argument("--scale", type=int, default=0,
@@ -107,7 +111,7 @@ def timed(model: ImageTokenModel, request: GenerationRequest, sampling: Sampling
     """``generate`` and its wall-clock seconds, with a progress bar."""
     from ..decoding.engine import generate
 
-    label = f"{acceleration.mode_name} {request.prompt!r}"
+    label = f"{acceleration.mode_name} {quote(request.prompt)}"
     bar = ImageProgress(label)
     started = time.perf_counter()
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from ..messages import quote
 from ..decoding.drafting import DRAFT_SOURCES, NO_DRAFT
 
 # Stops of a blue-green-yellow ramp that stays readable in grey and for common colour blindness.
@@ -74,7 +75,7 @@ def heatmap(values: np.ndarray, cell: int = 16, vmin: float | None = None,
     if np.ndim(values) != 3:
         raise ValueError(f"heatmap expects (B, H, W) values; got shape {np.shape(values)}.")
     if not isinstance(cell, int) or cell < 1:
-        raise ValueError(f"cell={cell!r} is not allowed: it must be an integer >= 1 (pixels per slot).")
+        raise ValueError(f"cell={quote(cell)} is not allowed: it must be an integer >= 1 (pixels per slot).")
     rgb = colourise(values, vmin, vmax)
     return rgb.repeat(cell, axis=1).repeat(cell, axis=2)
 
@@ -256,7 +257,7 @@ def image_grid(images: np.ndarray, columns: int, scale: int = 1, gap: int = 2) -
     if images.ndim != 4 or images.shape[-1] != 3 or len(images) == 0:
         raise ValueError(f"image_grid expects (N, H, W, 3) images with N >= 1; got {images.shape}.")
     if not isinstance(columns, int) or columns < 1 or not isinstance(scale, int) or scale < 1:
-        raise ValueError(f"columns={columns!r} and scale={scale!r} must be integers >= 1.")
+        raise ValueError(f"columns={quote(columns)} and scale={quote(scale)} must be integers >= 1.")
     count, height, width = images.shape[:3]
     columns = min(columns, count)
     rows = -(-count // columns)

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from ..messages import quote
 from ..decoding.drafting import DraftTree
 from ..decoding.settings import AccelerationSettings
 from ..models.hf_session import Context, DecoderParts, HFSession
@@ -109,7 +110,7 @@ def decoder_parts(network: LlamaForCausalLM, row_end: bool, backbone: str = "dec
     :class:`CacheWritesOnly` stand-in, or its decoder followed by :class:`AlsoAttendsLong` over
     a LONG_SIDE x LONG_SIDE image's columns (``rows`` cache rows)."""
     if backbone not in BACKBONES:
-        raise ValueError(f"backbone is {backbone!r}; allowed: {', '.join(BACKBONES)}.")
+        raise ValueError(f"backbone is {quote(backbone)}; allowed: {', '.join(BACKBONES)}.")
     embed = network.model.embed_tokens
     if backbone == "decoder":
         layers = network.model

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ..hf_session import Context, DecoderParts, HFSession
 from ..weights import (input_device, load_transformers_model, quantization_config, resolve_device_dtype,
                        safetensors_files)
-from ..protocol import GenerationRequest, SamplingDefaults
+from ..protocol import GenerationRequest, MemoryShape, SamplingDefaults
 from . import codebook as cb
 from ...files import json_field, read_json_object
 from ...messages import quote
@@ -103,6 +103,7 @@ class ReferenceModel:
                                                device, dtype, device_map,
                                                quantization=quantization_config(weights, device))
         self.device = input_device(self.network)
+        self.memory_shape = MemoryShape.of_config(config, dtype)
         self.codebook = load_file(str(folder / "codebook.safetensors"))["codebook"].float()
         if self.codebook.shape[0] != self.codebook_size:
             raise ValueError(f"{folder}: codebook.safetensors has {self.codebook.shape[0]} codes, "

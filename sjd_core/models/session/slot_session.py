@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...messages import quote
 from ..protocol import DecodingSession
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
@@ -93,7 +94,7 @@ class SlotSession(DecodingSession):
                  prefix: Sequence[int], start: Sequence[int], max_nodes: int,
                  device: torch.device, mask_dtype: torch.dtype) -> None:
         if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
-            raise ValueError(f"max_nodes={max_nodes!r} is not allowed: it must be an integer >= 1 "
+            raise ValueError(f"max_nodes={quote(max_nodes)} is not allowed: it must be an integer >= 1 "
                              "(the most nodes one forward feeds).")
         self.batch_size, self.guided = batch_size, guided
         self.grid_height, self.grid_width = grid
@@ -224,7 +225,7 @@ class SlotSession(DecodingSession):
         done = None if isinstance(committed, torch.Tensor) or len(committed) != b else np.array(committed)
         last = self.layout.slots
         if done is None or done.dtype.kind not in "iu" or not 0 <= min(committed) <= max(committed) <= last:
-            raise ValueError(f"forward got committed={committed!r}; it must be a list of "
+            raise ValueError(f"forward got committed={quote(committed)}; it must be a list of "
                              f"{self.batch_size} host integers in [0, {self.layout.slots}], the slots "
                              "each row has committed.")
         return done if done.dtype == np.int64 else done.astype(np.int64)
@@ -322,7 +323,7 @@ class SlotSession(DecodingSession):
             return self._advance_in_step(codes, committed[0], mark)
         done = self._check_inputs(codes[:, None], codes[:, None], self._one_node, committed)
         if self._expected is not None and done.tolist() != self._expected:
-            raise ValueError(f"advance got committed={committed!r}, which does not continue the "
+            raise ValueError(f"advance got committed={quote(committed)}, which does not continue the "
                              "cache: each row must have committed one slot more than at the last "
                              "advance.")
         slots = done[:, None] - 1
@@ -422,7 +423,7 @@ class SlotSession(DecodingSession):
         integers = all(isinstance(r, (int, np.integer)) for r in listed)
         if not listed or not integers or listed != sorted(set(listed)) or listed[0] < 0 \
                 or listed[-1] >= self.batch_size:
-            raise ValueError(f"retain got rows={rows!r}; it needs increasing row indices in "
+            raise ValueError(f"retain got rows={quote(rows)}; it needs increasing row indices in "
                              f"0..{self.batch_size - 1}, at least one.")
         self._drop_unkept()
         chosen = listed + ([self.batch_size + r for r in listed] if self.guided else [])

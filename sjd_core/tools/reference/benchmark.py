@@ -35,7 +35,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..bench import format_table, measure
-from ..cli import ArgumentParser, run_command, set_threads
+from ...command_line import ArgumentParser, run_command
+from ..cli import set_threads
 from ...decoding.settings import AccelerationSettings, SamplingSettings
 
 if TYPE_CHECKING:
