@@ -260,10 +260,10 @@ def test_release_decoder_shapes_give_eight_pixels_per_code():
 
 
 def test_decoder_checkpoint_is_read_weights_only_and_converts(tmp_path, folder, small):
-    from sjd_core.models.movqgan import _main
+    from sjd_core.models.movqgan import main
 
     out = tmp_path / "movqgan_270M.safetensors"
-    _main([str(folder / "movqgan_270M.ckpt"), str(out)])
+    main([str(folder / "movqgan_270M.ckpt"), str(out)])
     converted = tmp_path / "converted"
     shutil.copytree(folder, converted)
     (converted / "movqgan_270M.ckpt").unlink()
