@@ -11,7 +11,8 @@ from ..sjd_core.decoding.settings import AccelerationSettings
 from .generation import RESOLUTIONS, Prompting, run_sampler
 from .handles import (ACCELERATION_TYPE, CODES_TYPE, MODEL_TYPE, SAMPLING_TYPE, TRACE_TYPE,
                       AccelerationOptions, LoadedModel, SamplingChoice)
-from .widgets import chosen_window, default_mode, mode_choices, preset_of, window_widget
+from .widgets import (BATCH_TOOLTIP, chosen_window, default_mode, mode_choices, preset_of,
+                      window_widget)
 
 NODE = "SJD Sampler"
 MODE_TOOLTIP = (
@@ -79,11 +80,7 @@ class SJDSampler:
                     "tooltip": "Image size in pixels (width x height). 'default' is the family's "
                                "own size; the Loader's info output lists every size the loaded "
                                "model supports."}),
-                "batch_size": ("INT", {
-                    "default": 1, "min": 1, "max": 64,
-                    "tooltip": "Images drawn together; image b uses seed + b, so a batch equals "
-                               "the same images made one by one (in every mode but AUTO, see "
-                               "seed)."}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": BATCH_TOOLTIP}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
                                  "control_after_generate": True,
                                  "tooltip": "Random seed; the same seed and settings give the "

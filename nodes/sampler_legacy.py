@@ -12,7 +12,7 @@ from ..sjd_core.decoding.settings import INIT_RULES, RELAXED_RULES, Acceleration
 from .generation import RESOLUTIONS, Prompting, run_sampler
 from .handles import (CODES_TYPE, CUSTOM, FAMILY_RECIPE, MODEL_TYPE, TRACE_TYPE, LoadedModel,
                       SamplingChoice)
-from .widgets import FIELD_WIDGETS, LOSSY
+from .widgets import BATCH_TOOLTIP, FIELD_WIDGETS, LOSSY
 
 NODE = "SJD Sampler (all options, old)"
 MODES = {"PAC+VP": "pac+vp", "PAC": "pac", "SJD": "sjd", "AR": "ar", "custom": None}
@@ -110,8 +110,7 @@ class SJDSamplerLegacy:
                     "tooltip": "Image size in pixels (width x height). 'default' is the family's "
                                "own size; the Loader's info output lists every size the loaded "
                                "model supports."}),
-                "batch_size": _int(1, 1, 64, "Images drawn together; image b uses seed + b, so "
-                                             "a batch equals the same images made one by one."),
+                "batch_size": _int(1, 1, 64, BATCH_TOOLTIP),
                 "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
                                  "control_after_generate": True,
                                  "tooltip": "Random seed; the same seed and settings give the "

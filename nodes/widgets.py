@@ -22,6 +22,11 @@ from ..sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS, RELAXED_RULES
 
 LOSSY = ("LOSSY: with relaxed acceptance the image no longer follows the model's exact "
          "distribution. ")
+BATCH_TOOLTIP = ("Images drawn together. Image b draws with its own random stream (seed + b), "
+                 "from the same distribution as when made alone, and its codes equal seed + b made "
+                 "alone wherever the batched and single forwards give equal logits. They can "
+                 "differ by about 1e-5, so on a long image a draw may flip and the rest of that "
+                 "image differ, in every mode.")
 AS_MODE = "as mode"  # a switch left to the sampler's mode preset
 SWITCH_VALUES = {"on": True, "off": False}
 SWITCH_CHOICES = (AS_MODE, *SWITCH_VALUES)

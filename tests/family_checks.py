@@ -156,9 +156,9 @@ class _Enough(Exception):
     """Stops a run once the compared slots are committed."""
 
 
-def greedy_codes(model, request: GenerationRequest, sampling: SamplingSettings,
-                 acceleration: AccelerationSettings, slots: int | None = None
-                 ) -> tuple[torch.Tensor, int]:
+def first_codes(model, request: GenerationRequest, sampling: SamplingSettings,
+                acceleration: AccelerationSettings, slots: int | None = None, seed: int = 0
+                ) -> tuple[torch.Tensor, int]:
     """(B, slots) codes of the first ``slots`` slots of every image (all when None) and the
     iterations it took to commit them."""
     seen = {}
@@ -170,7 +170,7 @@ def greedy_codes(model, request: GenerationRequest, sampling: SamplingSettings,
             raise _Enough
 
     try:
-        result = generate(model, request, sampling, acceleration, seed=0, on_iteration=stop)
+        result = generate(model, request, sampling, acceleration, seed=seed, on_iteration=stop)
     except _Enough:
         return seen["codes"], seen["iterations"]
     return result.codes.flatten(1)[:, :slots], seen["iterations"]
@@ -181,12 +181,62 @@ def check_greedy_modes_agree(model, request: GenerationRequest, guidance: float,
     """Greedy (top-k 1) codes are identical in AR and every lossless mode, on the first ``slots``
     slots of each image (all when None); returns the iterations each mode needed for them."""
     sampling = SamplingSettings(guidance=guidance, top_k=1)
-    ar, forwards = greedy_codes(model, request, sampling, AccelerationSettings(window=1), slots)
+    ar, forwards = first_codes(model, request, sampling, AccelerationSettings(window=1), slots)
     iterations = {"ar": forwards}
     for name, acceleration in LOSSLESS_MODES.items():
-        codes, iterations[name] = greedy_codes(model, request, sampling, acceleration, slots)
+        codes, iterations[name] = first_codes(model, request, sampling, acceleration, slots)
         assert torch.equal(codes, ar), f"{name} codes differ from AR"
     return iterations
+
+
+def autoregressive_codes_and_logits(model, request: GenerationRequest, sampling: SamplingSettings,
+                                    seed: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, slots) codes of AR's first ``slots`` slots and the (B, slots, codebook) conditional
+    logits each was drawn from, as the session returned them."""
+    logits: list[torch.Tensor] = []
+    start = model.start
+
+    def recording_start(request: GenerationRequest):
+        session = start(request)
+        advance = session.advance
+
+        def recording_advance(*args, **kwargs):
+            cond, uncond = advance(*args, **kwargs)
+            logits.append(cond.detach().cpu().clone())
+            return cond, uncond
+
+        session.advance = recording_advance
+        return session
+
+    model.start = recording_start
+    try:
+        codes, _ = first_codes(model, request, sampling, AccelerationSettings(window=1), slots, seed)
+    finally:
+        model.start = start
+    return codes, torch.stack(logits[:slots], dim=1)
+
+
+def check_batch_rows_follow_their_streams(model, request: GenerationRequest,
+                                          sampling: SamplingSettings, seed: int, slots: int,
+                                          agreeing: int) -> list[tuple[int, float]]:
+    """Row b of an AR batch against seed + b generated alone, over the first ``slots`` slots.
+
+    The same random stream: the codes agree on at least the first ``agreeing`` slots (where a
+    draw can flip only when a ~1e-5 logit difference straddles its uniform). The model's
+    distribution: up to the first slot where the codes differ, the batched logits equal the
+    single ones within ``TOL``. Returns per row that first differing slot (``slots`` when none)
+    and the largest logit difference before it."""
+    batch_codes, batch_logits = autoregressive_codes_and_logits(model, request, sampling, seed, slots)
+    found = []
+    for row in range(request.batch_size):
+        alone = replace(request, batch_size=1)
+        codes, logits = autoregressive_codes_and_logits(model, alone, sampling, seed + row, slots)
+        differ = (batch_codes[row] != codes[0]).nonzero()
+        first = int(differ[0]) if len(differ) else slots
+        assert first >= agreeing, f"row {row}: codes differ from seed {seed + row} alone at slot {first}"
+        torch.testing.assert_close(batch_logits[row, :first + 1], logits[0, :first + 1], **TOL)
+        found.append((first, float((batch_logits[row, :first + 1] - logits[0, :first + 1]).abs().max())))
+    return found
 
 
 def check_relaxed_modes_run(model, request: GenerationRequest, guidance: float) -> None:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sjd_core.decoding.settings import SamplingSettings
 from sjd_core.models.chameleon import VQGAN_PLACES
 from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import DecodingSession, GenerationRequest, ImageTokenModel
@@ -244,6 +245,19 @@ def test_greedy_codes_identical_to_ar(lumina):
                                            slots=GREEDY_SLOTS)
     assert forwards["ar"] == GREEDY_SLOTS
     assert forwards["pac+vp"] < forwards["ar"]
+
+
+LONG_SLOTS = 12 * WIDTH  # 384 codes, twelve row ends
+
+
+def test_batch_rows_keep_their_streams_and_the_distribution_on_a_long_image(lumina):
+    """Each row of a batch draws with seed + b's stream from the model's own logits: its codes
+    agree with that seed alone until a ~1e-5 logit difference flips a draw, if one does."""
+    sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=0, top_p=1.0)
+    request = GenerationRequest(prompt="a red fox", batch_size=2)
+    rows = fc.check_batch_rows_follow_their_streams(lumina, request, sampling, seed=5,
+                                                    slots=LONG_SLOTS, agreeing=2 * WIDTH)
+    print(f"\nfirst differing slot and largest logit difference before it, per row: {rows}")
 
 
 def test_anole_batch_greedy_identical_to_ar(anole):

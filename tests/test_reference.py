@@ -113,8 +113,8 @@ GREEDY_SLOTS = 5 * 16  # the first five rows of the 16 x 16 grid, where the garm
 def test_greedy_codes_equal_ar_in_lossless_modes(shipped):
     with torch.inference_mode():
         forwards = fc.check_greedy_modes_agree(shipped, GREEDY_REQUEST, 2.0, slots=GREEDY_SLOTS)
-        ar, _ = fc.greedy_codes(shipped, GREEDY_REQUEST, SamplingSettings(guidance=2.0, top_k=1),
-                                AccelerationSettings.preset("ar"), GREEDY_SLOTS)
+        ar, _ = fc.first_codes(shipped, GREEDY_REQUEST, SamplingSettings(guidance=2.0, top_k=1),
+                               AccelerationSettings.preset("ar"), GREEDY_SLOTS)
     assert forwards["pac+vp"] < forwards["ar"] == GREEDY_SLOTS
     assert not torch.equal(ar[0], ar[1])  # each row follows its own prompt
 

@@ -318,6 +318,11 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
              count_vp_rises: bool = False) -> GenerationResult:
     """Generate ``request.batch_size`` code grids; row b uses random seed ``seed + b``.
 
+    Each row draws from its own random stream, so row b follows the same distribution as seed
+    ``seed + b`` generated alone, with the same codes wherever the batched and single forwards
+    give equal logits; they may differ by about 1e-5, so on a long image a draw can flip and
+    the rest of that row differ, in every mode.
+
     ``on_iteration`` is called after every iteration and may raise to stop (the exception
     propagates; the model itself is left usable). ``count_vp_rises`` also counts, with VP, how
     well its rises predicted the committed codes (the trace's ``vp_rises``: a dozen operations
