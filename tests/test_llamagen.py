@@ -19,6 +19,9 @@ from sjd_core.models.llamagen_checkpoint import (build_gpt, infer_spec,
                                                  read_state_dict, shapes_of, _main)
 from sjd_core.models.registry import load_model
 from sjd_core.models.protocol import GenerationRequest
+from sjd_core.decoding.engine import generate
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.trace import summary_text
 from tests.tiny_checkpoints import llamagen_gpt_state, write_llamagen
 
 GRID = (4, 4)
@@ -341,31 +344,56 @@ def test_layer_offloaded_to_disk_from_pt_and_from_safetensors(c2i, c2i_folder, t
         fc.check_offloaded_model_agrees(c2i, load_model(folder, device_map=placement), c2i_request(), 4.0)
 
 
-def test_caption_features_from_a_local_t5_encoder(t2i_folder, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+@pytest.fixture(scope="module")
+def t2i_with_t5(t2i_folder, tmp_path_factory):
+    """A t2i folder with a tiny T5 encoder in flan-t5-xl/ (words w0..w297, </s> 298 closing every
+    caption as FLAN-T5's tokenizer does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import T5Config, T5EncoderModel
 
-    folder = tmp_path / "t2i"
+    folder = tmp_path_factory.mktemp("llamagen") / "t2i"
     shutil.copytree(t2i_folder, folder)
     t5_dir = folder / "flan-t5-xl"
     torch.manual_seed(0)
     T5EncoderModel(T5Config(vocab_size=300, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
                    ).save_pretrained(str(t5_dir))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(299)} | {"<unk>": 299}, unk_token="<unk>"))
+    words = {f"w{i}": i for i in range(298)} | {"</s>": 298, "<unk>": 299}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 298)])
     tok.save(str(t5_dir / "tokenizer.json"))
     (t5_dir / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}')
-    model = load_model(folder)
+    return folder
+
+
+def test_caption_features_from_a_local_t5_encoder(t2i_with_t5):
+    from transformers import T5EncoderModel
+
+    model = load_model(t2i_with_t5)
     features = model.caption_features(GenerationRequest(prompt="w5 w7 w11", batch_size=1))[0]
-    t5 = T5EncoderModel.from_pretrained(str(t5_dir))
+    t5 = T5EncoderModel.from_pretrained(str(t2i_with_t5 / "flan-t5-xl"))
     with torch.no_grad():
-        expected = t5(input_ids=torch.tensor([[5, 7, 11]])).last_hidden_state[0]
+        expected = t5(input_ids=torch.tensor([[5, 7, 11, 298]])).last_hidden_state[0]
     torch.testing.assert_close(features, expected)
     # the official caption cleaning runs first: case, HTML and a URL do not reach T5
     shouted = model.caption_features(GenerationRequest(prompt="<b>W5 W7</b> W11 https://x.com/a", batch_size=1))[0]
     torch.testing.assert_close(shouted, expected)
     session = model.start(GenerationRequest(prompt="w5 w7 w11", guidance=7.5))
     assert session.guided
+
+
+@pytest.mark.parametrize("prompt", [" ... ", "***", "#@&~"])
+def test_a_prompt_the_caption_cleaning_empties_says_so_in_the_summary(t2i_with_t5, prompt):
+    model = load_model(t2i_with_t5)
+    sampling, settings = SamplingSettings(guidance=7.5), AccelerationSettings.preset("sjd")
+    unread = generate(model, GenerationRequest(prompt=prompt), sampling, settings, seed=2)
+    empty = generate(model, GenerationRequest(prompt=""), sampling, settings, seed=2)
+    assert torch.equal(unread.codes, empty.codes)  # T5 read the same empty caption
+    line = summary_text(unread.trace.summary())
+    assert f"WARNING: prompt={prompt!r} is empty after LlamaGen's caption cleaning" in line
+    assert not empty.trace.summary()["warnings"]  # an empty prompt asks for exactly that
+    worded = generate(model, GenerationRequest(prompt="w5 w7!"), sampling, settings, seed=2)
+    assert not worded.trace.summary()["warnings"]
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -249,6 +249,15 @@ def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
         sample(reference[0], prompt="sneaker", resolution="768x768")
 
 
+def test_reference_sampler_says_when_a_prompt_reads_as_nothing(reference):
+    """Only emoji: the image is drawn unconditionally, and the node's summary says so."""
+    _, _, line = sample(reference[0], prompt="\U0001f98a!", mode="AR")
+    assert "WARNING: prompt='\U0001f98a!' has no letters or digits" in line
+    assert "unconditionally" in line
+    _, _, named = sample(reference[0], prompt="a bag", mode="AR")
+    assert "WARNING" not in named
+
+
 # ---------------------------------------------------------------- sampler, decode, diagnostics
 
 def test_sample_decode_diagnose(synthetic):

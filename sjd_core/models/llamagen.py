@@ -22,7 +22,9 @@ features come from, in order:
 2. a T5 encoder folder next to the weights (``flan-t5-xl/`` or ``t5-ckpt/flan-t5-xl/``, a
    transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt`` after the
    official caption cleaning (:func:`~sjd_core.models.llamagen_caption.clean_caption`: lower case,
-   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling.
+   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling; a prompt the
+   cleaning empties (only punctuation or symbols) draws from an empty caption, and the run's
+   summary warns of it.
 
 Anything else is refused with a message saying so. The prompt of a t2i model is not tokenised by
 the GPT itself: there is no text vocabulary in it.
@@ -243,7 +245,20 @@ class LlamaGenModel:
             cond, uncond = self._class_contexts(request)
         else:
             cond, uncond = self._caption_contexts(request)
-        return HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
+        session = HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
+        session.warnings = self._unread_prompt_warnings(request)
+        return session
+
+    def _unread_prompt_warnings(self, request: GenerationRequest) -> list[str]:
+        """A warning when T5 read the prompt and its caption cleaning left nothing of it (only
+        punctuation, say): the image is then drawn from an empty caption, as for no prompt."""
+        prompt = request.prompt
+        if (self.spec.kind == "c2i" or "caption_embeddings" in (request.extra or {})
+                or not isinstance(prompt, str) or not prompt.strip() or clean_caption(prompt)):
+            return []
+        return [f"prompt={quote(prompt)} is empty after LlamaGen's caption cleaning (which drops "
+                "many punctuation marks and symbols), so the image was drawn from an empty "
+                "caption, as without a prompt; describe the image in words."]
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
