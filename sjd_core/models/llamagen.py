@@ -55,7 +55,7 @@ from .llamagen_checkpoint import (CLASS_NAMES_FILE, GPT_SAFETENSORS, SIDECAR, VQ
 from .llamagen_caption import clean_caption
 from .llamagen_modules import LlamaGenTransformer
 from .weights import input_device, quantization_config, resolve_device_dtype, safetensors_files
-from .protocol import GenerationRequest, SamplingDefaults
+from .protocol import GenerationRequest, MemoryShape, SamplingDefaults
 
 T5_FOLDERS = ("flan-t5-xl", "t5-ckpt/flan-t5-xl")
 # GETTING_STARTED.md's FID sampling commands: --cfg-scale per class-conditional GPT, by model width
@@ -94,6 +94,7 @@ class LlamaGenModel:
         self.model, self.vq, self.spec, self.folder = model, vq, spec, folder
         self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
+        self.memory_shape = MemoryShape.of_config(model.config, self.dtype)
         self.codebook_size = int(vq.config.num_embeddings)
         side = int(vq.config.num_patches)
         self._grids = {(spec.image_size, spec.image_size): (side, side)}
