@@ -191,8 +191,9 @@ class RowRandom:
 
     Each row draws its uniforms in blocks from its own generator and hands them out in order
     (:meth:`uniform`); every row takes the same amount per iteration whatever the batch, so
-    image b of a batch is identical to the same seed generated alone, also after other rows have
-    finished (:meth:`retain`). Handing out a block's next numbers is one slice, whatever the
+    image b of a batch draws the same numbers as the same seed generated alone, also after other
+    rows have finished (:meth:`retain`); its codes then agree wherever the batched and single
+    logits agree. Handing out a block's next numbers is one slice, whatever the
     batch.
     """
 
