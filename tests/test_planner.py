@@ -3,6 +3,8 @@ candidates when drafts fail at some depths more than at others."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,14 @@ def test_a_depth_few_drafts_reached_leans_on_the_rate_of_all_depths():
     assert hazard[0] == pytest.approx(0.1, abs=0.001)
     assert hazard[19] == pytest.approx(0.1 / 3, abs=0.001)
     assert hazard[25] == pytest.approx(0.1, abs=0.001)  # never reached: the pooled rate
+
+
+def test_largest_shape_counts_the_nodes_the_built_tree_has():
+    """The batch check counts nodes without building the tree; the count is the tree's size."""
+    for window, candidates, depth in itertools.product([3, 5, 16, 32], [1, 2, 3, 4], [2, 3]):
+        if depth > window:
+            continue
+        settings = AccelerationSettings(window=window, proactive_drafting=True,
+                                        pd_candidates=candidates, pd_depth=depth)
+        assert largest_shape(settings) == DraftTree.for_settings(settings, CPU).size
+    assert largest_shape(AccelerationSettings(window=7)) == 7

@@ -24,7 +24,7 @@ import torch
 from ..messages import first_line, quote
 from ..models.protocol import GenerationRequest, ImageTokenModel
 from .drafting import DraftTree, tree_profiles, uniform_profile
-from .settings import AccelerationSettings, SamplingSettings
+from .settings import AccelerationSettings, SamplingSettings, tree_nodes
 
 
 def describe_shape(tree: DraftTree) -> str:
@@ -130,10 +130,12 @@ _PROFILES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary
 
 
 def largest_shape(settings: AccelerationSettings) -> int:
-    """The most nodes one forward of ``settings`` feeds (for ``auto``, over all its shapes)."""
-    if settings.adaptive_shape and settings.shape_cost == "passes":
+    """The most nodes one forward of ``settings`` feeds (for ``auto``, over all its shapes),
+    counted without building the tree."""
+    if not settings.proactive_drafting or (settings.adaptive_shape
+                                           and settings.shape_cost == "passes"):
         return settings.window
-    return DraftTree.for_settings(settings, torch.device("cpu")).size
+    return tree_nodes(settings.window, settings.pd_candidates, settings.pd_depth)
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
