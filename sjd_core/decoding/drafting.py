@@ -463,9 +463,9 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
     new draft is distributed exactly as q'. Either way the slot's q becomes the distribution the
     new draft follows (q' itself, never the unfused target: verifying VP drafts against the
     target, as the SJD-VP paper appears to do, is not exact). ``keep_test`` and ``draw`` (B, W):
-    the uniforms of AC's keep tests and of the draws. Slots without a target (new to the window) are drafted the same way,
-    from what the shift left there, and marked not ``fed``, so that the init rule drafts them
-    before they are fed: no selection is spent on keeping what they held.
+    the uniforms of AC's keep tests and of the draws. Slots without a target (new to the window)
+    are drafted the same way, from what the shift left there, and marked not ``fed``, so that the
+    init rule drafts them before they are fed: no selection is spent on keeping what they held.
     """
     if settings.verification_prediction:
         draw_from = predict_verification(targets, state, state.vp_known & has_target,

@@ -333,8 +333,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     decoding state would not fit in the device's memory.
     """
     _check_arguments(request, seed)
-    check_batch(model, request, sampling, acceleration)
     acceleration = acceleration.for_codebook(model.codebook_size)
+    check_batch(model, request, sampling, acceleration)
     device = torch.device(model.device)
     marks: list = []  # the recorder's clock, once the decoder exists
     max_nodes = largest_shape(acceleration)

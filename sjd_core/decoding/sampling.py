@@ -155,7 +155,8 @@ def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     code 0.
     """
     if CHECK_DRAWS and not bool((dist > 0).any(-1).all()):
-        raise EmptyDistributionError(f"a draw from weights that are all 0 (shape {tuple(dist.shape)})")
+        raise EmptyDistributionError("a draw from weights that are all 0 "
+                                     f"(shape {tuple(dist.shape)})")
     cdf = dist.cumsum(-1)
     point = (u * cdf[..., -1])[..., None]
     return torch.searchsorted(cdf, point).squeeze(-1).clamp_max(dist.shape[-1] - 1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafting import DraftTree
-from .sampling import normalise, passes, sample
+from .sampling import normalise, passes, residual, sample
 from .settings import AccelerationSettings
 
 ACCEPTED, RESIDUAL, BONUS, RELAXED, FORCED = 1, 2, 3, 4, 5
@@ -358,13 +358,12 @@ def _distribution_after(tree: DraftTree, end: torch.Tensor, tests: _NodeTests, p
     its rejected candidates left, or its target where none was tested (a bonus draw) and where
     the residual is empty (the fallback of the glossary)."""
     target = _row_at(p, end)
-    tested = tests.tested.gather(1, end[:, None])
-    weights = torch.where(tested, (target - _row_at(q_nodes, end)).clamp_min(0.0), target)
+    drawn_from = residual(target, _row_at(q_nodes, end), tests.tested.gather(1, end[:, None]))
     if tests.left_over is not None:
         place = tree.inner_index.index_select(0, end)  # -1 for a node that is not inner
-        weights = torch.where((place >= 0)[:, None],
-                              _row_at(tests.left_over, place.clamp_min(0)), weights)
-    return normalise(weights, target)
+        left_over = normalise(_row_at(tests.left_over, place.clamp_min(0)), target)
+        drawn_from = torch.where((place >= 0)[:, None], left_over, drawn_from)
+    return drawn_from
 
 
 def _verdict(tree: DraftTree, end: torch.Tensor, final: torch.Tensor, tests: _NodeTests,
