@@ -1,4 +1,11 @@
-"""SJD Diagnostics: where and how fast drafts were accepted, as heatmaps, a histogram and a summary."""
+"""SJD Diagnostics: where and how fast drafts were accepted, as heatmaps, a histogram and a summary.
+
+The node shows one picture, the sheet of :func:`sjd_core.tools.figures.diagnostics_sheet` (the
+comparison with an AR run or the run's summary, the three heatmaps with their colour bars, the
+draft-rule map with its legend, the histogram), drawn :data:`~sjd_core.tools.figures.SHEET_WIDTH`
+px wide with fonts that stay readable at the width the templates give the node (the arithmetic is
+in figures.py, beside SHEET_BOXES). Its outputs are the separate panels, one per batch row.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ from PIL import Image
 
 from ..sjd_core.messages import quote
 from ..sjd_core.decoding.trace import summary_text
-from ..sjd_core.tools.figures import (UNITS, heatmap, histogram_figure, labelled_panel, rule_legend,
+from ..sjd_core.tools.figures import (SHEET_SPEED_UP, SHEET_TEXT, UNITS, diagnostics_sheet,
+                                     heatmap, histogram_figure, labelled_panel, rule_legend,
                                      rule_map, value_range)
 from . import comfy_bridge
 from .handles import TRACE_TYPE, SamplerTrace
@@ -27,7 +35,11 @@ class SJDDiagnostics:
                    "colour = one forward pass), how many steps each code waited in the window, and "
                    "the acceptance probability of the committed guess; the histogram of codes "
                    "accepted per step; a summary with NFE, step compression and speed-up; and "
-                   "which rule made the guess tested for each code.")
+                   "which rule made the guess tested for each code. The node shows them on one "
+                   "sheet (first image of the batch), led by a comparison when an AR run of the "
+                   "same request is connected as baseline_trace: both runs side by side (their "
+                   "images too when baseline_image is connected) with forward passes, measured "
+                   "times and the measured speed-up. The outputs are the separate panels.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "diagnose"
     OUTPUT_NODE = True
@@ -63,13 +75,20 @@ class SJDDiagnostics:
                                                "heatmaps over."}),
                 "baseline_trace": (TRACE_TYPE, {
                     "tooltip": "The trace of an AR run with the same model, prompt, resolution, "
-                               "batch and seed: gives the measured speed-up."}),
+                               "batch and seed: gives the measured speed-up, and the sheet then "
+                               "leads with the comparison of both runs."}),
+                "baseline_image": ("IMAGE", {
+                    "tooltip": "The decoded images of the baseline_trace run (its SJD Decode's "
+                               "IMAGE): the comparison then shows both runs' images side by "
+                               "side. Needs baseline_trace."}),
             },
         }
 
     def diagnose(self, trace: SamplerTrace, blend: float, image: torch.Tensor | None = None,
-                 baseline_trace: SamplerTrace | None = None) -> dict:
-        """Heatmaps (blended over ``image`` if given), histogram and summary of one run."""
+                 baseline_trace: SamplerTrace | None = None,
+                 baseline_image: torch.Tensor | None = None) -> dict:
+        """Heatmaps (blended over ``image`` if given), histogram and summary of one run, and the
+        sheet the node shows (with the comparison when ``baseline_trace`` is given)."""
         if not 0.0 <= blend <= 1.0:
             raise ValueError(f"{NODE}: blend={quote(blend)} is not allowed: it must lie in [0, 1].")
         maps = trace.trace.slot_maps()
@@ -78,36 +97,72 @@ class SJDDiagnostics:
             _check_image(image, batch, height, width, trace)
         summary = trace.trace.summary()
         text = describe(summary, trace, baseline_trace)
-        panels = [_panels(maps[key], key, title, image, blend) for key, title in MAPS]
+        baseline = None
+        if baseline_image is not None:
+            if baseline_trace is None:
+                raise ValueError(
+                    f"{NODE}: baseline_image ({_images(baseline_image)}) is connected without "
+                    "baseline_trace; it is shown only beside the AR run it belongs to. Connect "
+                    "that run's trace as baseline_trace too, or disconnect baseline_image.")
+            _check_image(baseline_image, *baseline_trace.trace.slot_maps()[
+                "commit_iteration"].shape, baseline_trace, "baseline_image")
+        if baseline_trace is not None:
+            baseline = baseline_trace.trace.summary()
+        drawn = {key: _draw_map(maps[key], image, blend) for key, _ in MAPS}
+        spans = {key: value_range(maps[key]) for key, _ in MAPS}
+        panels = [[labelled_panel(row, title, spans[key], UNITS[key]) for row in drawn[key]]
+                  for key, title in MAPS]
         histogram = histogram_figure(summary["accepted_length_histogram"], summary["mode"])
-        rules = _rule_panels(maps["draft_source"], image, blend)
+        rule_rgb = _draw_map(maps["draft_source"], image, blend, paint=rule_map)
+        legend = rule_legend(max(rule_rgb.shape[2], 160), maps["draft_source"])
+        rules = [labelled_panel(row, "draft rule", None, None, legend) for row in rule_rgb]
+        sheet, boxes = diagnostics_sheet(
+            [(title, drawn[key][0], spans[key], UNITS[key]) for key, title in MAPS], rule_rgb[0],
+            maps["draft_source"][:1], summary, baseline, _first(image), _first(baseline_image),
+            trace.run.seed, batch)
         tensors = [torch.from_numpy(np.stack([_floats(p) for p in rows])) for rows in panels]
         tensors.append(torch.from_numpy(_floats(histogram)[None]))
         rule_tensor = torch.from_numpy(np.stack([_floats(p) for p in rules]))
-        ui_images = comfy_bridge.save_previews([rows[0] for rows in panels] + [histogram, rules[0]],
-                                               "sjd_diagnostics")
-        return {"ui": {"images": ui_images, "sjd_text": [text]},
+        layout = {"width": sheet.width, "height": sheet.height, "text_px": SHEET_TEXT,
+                  "speed_up_px": SHEET_SPEED_UP, "speed_up_box": boxes.get("speed_up")}
+        return {"ui": {"images": comfy_bridge.save_previews([sheet], "sjd_diagnostics"),
+                       "sjd_text": [text], "sjd_sheet": [layout]},
                 "result": (*tensors, text, rule_tensor)}
 
 
+def _images(image: torch.Tensor) -> str:
+    """How an IMAGE input reads in a message: count and pixel size, or its shape."""
+    if image.ndim == 4:
+        return f"{image.shape[0]} image(s) of {image.shape[2]}x{image.shape[1]} px"
+    return f"shape {tuple(image.shape)}"
+
+
+def _first(image: torch.Tensor | None) -> np.ndarray | None:
+    """The first image of an IMAGE batch as (h, w, 3) floats in [0, 1], or None."""
+    return None if image is None else image[0, ..., :3].float().clamp(0, 1).cpu().numpy()
+
+
 def _check_image(image: torch.Tensor, batch: int, height: int, width: int,
-                 trace: SamplerTrace) -> None:
+                 trace: SamplerTrace, name: str = "image") -> None:
     """The image must be the run's own decoded batch: the same count, and a pixel size that is
     a whole number of pixels per code, the same across and down (the decoder's own scale, or a
-    whole-number enlargement of it)."""
+    whole-number enlargement of it). ``name``: the input (``image`` belongs to ``trace``,
+    ``baseline_image`` to ``baseline_trace``)."""
+    owner = "this trace" if name == "image" else "baseline_trace"
+    sampler = "the same SJD Sampler" if name == "image" else "the AR sampler whose trace is " \
+        "baseline_trace"
     if image.ndim != 4 or image.shape[-1] not in (3, 4):
-        raise ValueError(f"{NODE}: image of shape {tuple(image.shape)} is not an IMAGE batch "
+        raise ValueError(f"{NODE}: {name} of shape {tuple(image.shape)} is not an IMAGE batch "
                          "(batch, height, width, channels).")
     count, pixel_h, pixel_w = image.shape[:3]
     fits = pixel_h % height == 0 and pixel_w % width == 0 and pixel_h // height == pixel_w // width
     if count != batch or not fits:
         run_w, run_h = trace.run.resolution
         raise ValueError(
-            f"{NODE}: image ({count} image(s) of {pixel_w}x{pixel_h} px) does not belong to this "
-            f"trace ({batch} image(s) of {width}x{height} codes, drawn at {run_w}x{run_h} px: "
-            f"{trace.run.describe()}); its pixel size must be the same whole number of pixels "
-            "per code across and down. Connect the IMAGE that SJD Decode made from the codes of "
-            "the same SJD Sampler.")
+            f"{NODE}: {name} ({_images(image)}) does not belong to {owner} ({batch} image(s) of "
+            f"{width}x{height} codes, drawn at {run_w}x{run_h} px: {trace.run.describe()}); its "
+            "pixel size must be the same whole number of pixels per code across and down. "
+            f"Connect the IMAGE that SJD Decode made from the codes of {sampler}.")
 
 
 def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float,
@@ -124,22 +179,6 @@ def _draw_map(values: np.ndarray, image: torch.Tensor | None, blend: float,
     base = image[..., :3].float().clamp(0, 1).cpu().numpy()
     return np.stack([(blend * _resized(m, size) + (1.0 - blend) * _resized(b, size))
                      for m, b in zip(rgb, base)]).astype(np.float32)
-
-
-def _panels(values: np.ndarray, key: str, title: str, image: torch.Tensor | None,
-            blend: float) -> list[Image.Image]:
-    """One labelled panel (title, map, colour bar with unit, grey legend) per batch row; the
-    colour range is shared by the batch."""
-    span = value_range(values)
-    return [labelled_panel(row, title, span, UNITS[key]) for row in _draw_map(values, image, blend)]
-
-
-def _rule_panels(sources: np.ndarray, image: torch.Tensor | None, blend: float) -> list[Image.Image]:
-    """The draft-rule map of each batch row, over the image when given, with the legend of the
-    rules that occur in the batch."""
-    rgb = _draw_map(sources, image, blend, paint=rule_map)
-    legend = rule_legend(max(rgb.shape[2], 160), sources)
-    return [labelled_panel(row, "draft rule", None, None, legend) for row in rgb]
 
 
 def _floats(picture: Image.Image) -> np.ndarray:
