@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 import uuid
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
 MODELS_FOLDER = "sjd"  # the name users write in extra_model_paths.yaml
+# The least time between two progress bar updates sent to the browser (each is a "progress" and a
+# "progress_state" message, and the page redraws on each): at most 10 a second.
+UPDATE_SECONDS = 0.1
 
 
 def _comfy(module: str) -> ModuleType | None:
@@ -111,27 +116,61 @@ def check_interrupted() -> None:
         mm.throw_exception_if_processing_interrupted()
 
 
-class Progress:
-    """ComfyUI's progress bar (with previews) when running inside ComfyUI; silent outside."""
+class Throttle:
+    """Lets an update through at most once every ``interval`` seconds of ``clock``; an update
+    marked final always goes through."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, interval: float = UPDATE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.last: float | None = None  # when the last update went through
+
+    def ready(self, final: bool = False) -> bool:
+        """True (and the update counts as sent) when it may go out now."""
+        now = self.clock()
+        if final or self.last is None or now - self.last >= self.interval:
+            self.last = now
+            return True
+        return False
+
+
+class Progress:
+    """ComfyUI's progress bar (with previews) when running inside ComfyUI; silent outside.
+
+    Updates reach the bar at most once every ``interval`` seconds, and the final one
+    (``done == total``) always, so the browser's bar ends full.
+    """
+
+    def __init__(self, total: int, interval: float = UPDATE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         utils = _comfy("comfy.utils")
         self._bar = utils.ProgressBar(total) if utils is not None else None
         self.total = total
+        self.throttle = Throttle(interval, clock)
 
-    def update(self, done: int, preview: Any = None) -> None:
-        """Set the bar to ``done``; ``preview`` is a PIL image shown on the node, or None."""
+    def update(self, done: int, preview: Callable[[], Any] | None = None) -> bool:
+        """Set the bar to ``done`` unless the last update was too recent; ``preview`` is called
+        (only for an update that goes out) for a PIL image shown on the node, or None. Returns
+        whether the update went out."""
+        if not self.throttle.ready(final=done >= self.total):
+            return False
+        image = preview() if preview is not None else None
         if self._bar is not None:
             self._bar.update_absolute(done, self.total,
-                                      ("JPEG", preview, 512) if preview is not None else None)
+                                      ("JPEG", image, 512) if image is not None else None)
+        return True
 
 
 def send(event: str, payload: dict) -> None:
-    """Send a websocket message to the browser (``api.addEventListener(event, ...)``)."""
+    """Send a websocket message to the browser that queued the running prompt
+    (``api.addEventListener(event, ...)``), as ComfyUI sends its own progress: other pages and a
+    prompt queued without a client id hear nothing."""
     server = _comfy("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
-    if instance is not None:
-        instance.send_sync(event, payload)
+    client = getattr(instance, "client_id", None)
+    if instance is not None and client is not None:
+        instance.send_sync(event, payload, client)
 
 
 def save_previews(images: list[Any], prefix: str) -> list[dict]:

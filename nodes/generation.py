@@ -7,6 +7,7 @@ become settings objects.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
 
 PROGRESS_EVENT = "sjd.progress"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews
+# The least time between two chart messages: at most 10 a second (the page redraws on each, and
+# one message per step slowed a short run several times over); the last step is always sent.
+MESSAGE_SECONDS = comfy_bridge.UPDATE_SECONDS
 CHART_POINTS = 240  # the most values of the accepted-per-step series sent to the browser
 # Every size a released checkpoint of any family draws, so that ComfyUI accepts each of them; the
 # browser narrows the list to the connected model's sizes, and the loaded model decides at run
@@ -93,6 +97,8 @@ def run_sampler(model: LoadedModel, asked: Prompting, acceleration: Acceleration
                               seed=asked.seed, on_iteration=watcher.on_iteration)
         except ValueError as error:
             raise ValueError(f"{node}: {error}") from error
+        finally:
+            watcher.flush()  # steps not sent yet (a failed or cancelled run): the chart has all
     summary = result.trace.summary()
     run = RunInfo(run_id=summary["run_id"], model_name=model.name, family=adapter.family,
                   prompt=asked.prompt, negative_prompt=asked.negative_prompt, resolution=size,
@@ -106,30 +112,55 @@ def run_sampler(model: LoadedModel, asked: Prompting, acceleration: Acceleration
 
 
 class LiveProgress:
-    """Progress bar, live preview, browser messages and Cancel, fed by the engine every iteration."""
+    """Progress bar, live preview, browser messages and Cancel, fed by the engine every iteration.
+
+    Cancel is checked every iteration. The browser hears at most one chart message every
+    ``MESSAGE_SECONDS`` (with every step since the previous one, so the chart still counts each
+    step once) and one progress bar update every ``comfy_bridge.UPDATE_SECONDS`` (with a preview
+    at most every ``PREVIEW_SECONDS``); the last step always reaches both.
+    """
 
     def __init__(self, adapter: object, grid: tuple[int, int], batch: int, node_id: str | None,
-                 mode: str) -> None:
+                 mode: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.adapter = adapter
         self.grid = grid
         self.batch = batch
         self.node_id = node_id
         self.mode = mode
+        self.clock = clock
         self.accepted: list[float] = []  # mean over rows still decoding, per iteration
         self.bar: comfy_bridge.Progress | None = None
+        self.messages = comfy_bridge.Throttle(MESSAGE_SECONDS, clock)
+        self.sent = 0  # how many of ``accepted`` the browser has
+        self.last: IterationReport | None = None
         self.preview_rows = 0
-        self.preview_time = 0.0
+        self.preview_time: float | None = None
 
     def on_iteration(self, report: IterationReport) -> None:
         comfy_bridge.check_interrupted()
         total = report.total * self.batch
         if self.bar is None:
-            self.bar = comfy_bridge.Progress(total)
+            self.bar = comfy_bridge.Progress(total, clock=self.clock)
         active = [a for a in report.accepted if a > 0]
         self.accepted.append(sum(active) / len(active) if active else 0.0)
-        self.bar.update(sum(report.committed), self._preview(report))
+        self.last = report
+        finished = all(c >= report.total for c in report.committed)
+        self.bar.update(sum(report.committed), lambda: self._preview(report))
+        if self.messages.ready(final=finished):
+            self._send(report)
+
+    def flush(self) -> None:
+        """Send the steps the browser has not heard of yet, if any (the run stopped early)."""
+        if self.last is not None and self.sent < len(self.accepted):
+            self._send(self.last)
+
+    def _send(self, report: IterationReport) -> None:
+        """One chart message: the mean accepted length of every step since the previous message
+        (oldest first; ``iteration`` is the last one's) and the latest committed counts."""
+        steps = [round(a, 3) for a in self.accepted[self.sent:]]
+        self.sent = len(self.accepted)
         comfy_bridge.send(PROGRESS_EVENT, {
-            "node": self.node_id, "iteration": report.iteration, "accepted": report.accepted,
+            "node": self.node_id, "iteration": report.iteration, "steps": steps,
             "committed": report.committed, "total": report.total, "mode": self.mode})
 
     def _preview(self, report: IterationReport) -> Image.Image | None:
@@ -138,9 +169,10 @@ class LiveProgress:
             return None
         width = self.grid[1]
         rows = report.committed[0] // width
-        now = time.monotonic()
+        now = self.clock()
         finished = report.committed[0] >= report.total
-        if rows <= self.preview_rows or (now - self.preview_time < PREVIEW_SECONDS and not finished):
+        recent = self.preview_time is not None and now - self.preview_time < PREVIEW_SECONDS
+        if rows <= self.preview_rows or (recent and not finished):
             return None
         self.preview_rows, self.preview_time = rows, now
         grid = report.codes[:1].reshape(1, *self.grid).clone()

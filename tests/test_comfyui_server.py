@@ -96,13 +96,17 @@ def test_text_to_image_workflow_runs(server, object_info):
     assert summary["mode"] == "AUTO" and summary["lossless"]
     assert summary["slots_per_image"] == REFERENCE_CODES
     assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
+    # The chart hears every step once, in messages at most 10 a second, the last step in the last.
     progress = [m for m in listener.of("sjd.progress") if m["node"] == sampler]
-    assert len(progress) == summary["iterations"]
+    assert [v for m in progress for v in m["steps"]] == shown["sjd_accepted"]
+    assert progress[-1]["iteration"] == summary["iterations"]
     assert sum(progress[-1]["committed"]) == REFERENCE_CODES
-    assert sum(sum(m["accepted"]) for m in progress) == REFERENCE_CODES
+    assert len(progress) <= 10 * summary["total_seconds"] + 2
     assert listener.previews >= 1, "no live preview frame reached the browser"
+    # ComfyUI's progress bar: as often, and it ends full.
     bar = [m for m in listener.of("progress") if m["node"] == sampler]
-    assert [m["value"] for m in bar] == [sum(m["committed"]) for m in progress]
+    assert len(bar) <= 10 * summary["total_seconds"] + 2
+    assert [m["value"] for m in bar] == sorted(m["value"] for m in bar)
     assert bar[-1]["value"] == bar[-1]["max"] == REFERENCE_CODES
     saved = entry["outputs"][nodes_of(prompt, "SaveImage")[0]]["images"]
     assert len(saved) == 1

@@ -1,17 +1,33 @@
 // Live chart of codes accepted per step on the SJD Sampler node, the run summary on both the
-// sampler and the diagnostics node, and the pack's error message, in red, on the node that
-// failed. Fed by the sampler's "sjd.progress" messages and the node's own output when it
-// finishes. Drawn in DOM widgets, so it shows in the classic canvas and in the Vue-nodes mode
-// alike.
+// sampler and the diagnostics node, and the pack's error message, in red, on the node it is
+// about: every node of the pack (the loader and the option nodes too) has an error line.
+// Fed by the sampler's "sjd.progress" messages, the node's own output when it finishes, the
+// "execution_error" of a run that failed, and the node_errors that ComfyUI's input validation
+// answers to a queued prompt (a missing checkpoint, a size no model draws, a missing input).
+// Drawn in DOM widgets, so it shows in the classic canvas and in the Vue-nodes mode alike.
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
 // The sampler and the first release's all-in-one sampler, which old workflows still use.
 const SAMPLERS = new Set(["SJDSamplerV2", "SJDSampler"]);
 const DIAGNOSTICS = "SJDDiagnostics";
+const PACK_NODES = new Set([
+  ...SAMPLERS,
+  DIAGNOSTICS,
+  "SJDModelLoader",
+  "SJDDecode",
+  "SJDAccelerationOptions",
+  "SJDSamplingOptions",
+]);
 const CHART_HEIGHT = 90;
+const SUMMARY_MAX_HEIGHT = 160; // about eleven lines of the diagnostics' summary
 const ERROR_COLOUR = "#ff4d4d";
-const ERROR_HEIGHT = 100; // room for about seven lines of an error message
+const ERROR_MAX_HEIGHT = 220; // about sixteen lines; a longer message scrolls
+const GAP = 2; // between the parts of a box
+// The classic canvas draws a DOM widget `MARGIN` pixels inside its slot on every side.
+const MARGIN = 10;
+const LINE = 14; // one line of the boxes' 11 px text
+const CHAR = 6.7; // the width of one character of it, for estimates before it is laid out
 
 // Node ids arrive as strings: "5" in the root graph, "5:3" for node 3 inside subgraph node 5.
 function findNode(id) {
@@ -27,54 +43,152 @@ function findNode(id) {
   return node;
 }
 
-// A DOM widget of ``height`` pixels, plus room for the error line while it shows one.
-function makeBox(node, name, height) {
+// The height ``element`` needs to show all of its text: measured once it is laid out, else
+// estimated from its text and the node's width.
+function textHeight(element, node) {
+  if (element.hidden) return 0;
+  if (element.getClientRects().length) return element.scrollHeight;
+  const width = Math.max((node.size?.[0] ?? 300) - 2 * MARGIN, 100);
+  const perLine = Math.max(Math.floor(width / CHAR), 10);
+  const lines = element.textContent
+    .split("\n")
+    .reduce((n, line) => n + Math.max(1, Math.ceil(line.length / perLine)), 0);
+  return lines * LINE;
+}
+
+// A DOM widget as tall as its parts need (``parts()`` lists their heights), so no text is cut:
+// the canvas places the element ``MARGIN`` inside a slot of the height asked for.
+function makeBox(node, name, parts) {
   const box = document.createElement("div");
   box.className = name.replace("_", "-");
   box.style.cssText =
-    "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;" +
+    "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;overflow:hidden;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
-  const total = () => height + (box.querySelector(".sjd-error:not([hidden])") ? ERROR_HEIGHT : 0);
+  const needed = () => {
+    const heights = parts().filter((h) => h > 0);
+    if (!heights.length) return 0; // nothing to show: no room taken
+    return heights.reduce((a, b) => a + b, 0) + GAP * (heights.length - 1) + 2 * MARGIN;
+  };
   node.addDOMWidget(name, "sjd-" + name, box, {
     serialize: false,
-    getMinHeight: total,
-    getHeight: total,
+    getMinHeight: needed,
+    getHeight: needed, // the 2024 frontend's preferred height (the Vue-nodes mode follows the content)
   });
   return box;
 }
 
-// The message of a failed run, in red, inside a node's own box; empty (and taking no room)
-// otherwise.
-function makeErrorLine(box) {
-  const line = document.createElement("div");
-  line.className = "sjd-error";
-  line.style.cssText =
-    `color:${ERROR_COLOUR};font-weight:bold;white-space:pre-wrap;overflow:auto;` +
-    `height:${ERROR_HEIGHT - 4}px;flex:none;`;
-  line.hidden = true;
-  box.prepend(line);
-  return line;
+// Make the node tall enough for its boxes (the canvas does not grow a node by itself when a
+// widget's height changes), and give back what an error took once it is gone.
+function fit(node) {
+  if (!node.size) return;
+  const needed = node.computeSize?.();
+  if (needed && needed[1] > node.size[1]) node.setSize([node.size[0], needed[1]]);
+  else node.onResize?.(node.size); // the 2024 frontend lays its DOM widgets out on resize
+  node.setDirtyCanvas?.(true, true);
 }
 
-// Show (or, with an empty message, hide) the error line; the canvas node grows to hold it.
-function showError(node, line, message) {
-  line.textContent = message ? `Error: ${message}` : "";
-  line.hidden = !message;
-  const needed = node.computeSize?.();
-  if (needed && node.size && needed[1] > node.size[1]) node.setSize([node.size[0], needed[1]]);
-  node.setDirtyCanvas?.(true, true);
+// The message of a failed run or of a refused input, in red, inside a node's own box; empty
+// (and taking no room) otherwise.
+class ErrorLine {
+  constructor(node, box) {
+    this.node = node;
+    this.line = document.createElement("div");
+    this.line.className = "sjd-error";
+    this.line.style.cssText =
+      `color:${ERROR_COLOUR};font-weight:bold;white-space:pre-wrap;overflow-wrap:anywhere;` +
+      `overflow:auto;max-height:${ERROR_MAX_HEIGHT}px;flex:none;`;
+    this.line.hidden = true;
+    box.prepend(this.line);
+    this.grown = null; // [height before, height after] when showing the error grew the node
+  }
+
+  height() {
+    return Math.min(textHeight(this.line, this.node), ERROR_MAX_HEIGHT);
+  }
+
+  // Show ``message`` (or, empty, hide the line) and fit the node around it.
+  show(message) {
+    const text = message ? `Error: ${message}` : "";
+    if (text === this.line.textContent && this.line.hidden === !message) return;
+    this.line.textContent = text;
+    this.line.hidden = !message;
+    this.beforeShow?.(!!message);
+    const node = this.node;
+    const before = node.size?.[1];
+    if (message) {
+      fit(node);
+      if (node.size?.[1] > before) this.grown = [this.grown?.[0] ?? before, node.size[1]];
+    } else {
+      if (this.grown && node.size?.[1] === this.grown[1]) {
+        const needed = node.computeSize?.()?.[1] ?? 0;
+        node.setSize([node.size[0], Math.max(this.grown[0], needed)]);
+      }
+      this.grown = null;
+      fit(node);
+    }
+  }
+}
+
+// The error line alone, for the nodes of the pack that show nothing else. Without a message it
+// takes no room (a node keeps its size) and lets the pointer through.
+class ErrorView {
+  constructor(node) {
+    this.node = node;
+    this.box = makeBox(node, "sjd_error", () => [this.error?.height() ?? 0]);
+    this.widget = node.widgets?.find((w) => w.element === this.box) ?? null;
+    this.error = new ErrorLine(node, this.box);
+    this.error.beforeShow = (shown) => this.takeRoom(shown);
+    this.takeRoom(false);
+  }
+
+  // A widget that measures [0, -4] takes no row: the canvas adds 4 pixels between widgets.
+  takeRoom(shown) {
+    this.box.style.visibility = shown ? "" : "hidden";
+    if (!this.widget) return;
+    if (shown) {
+      delete this.widget.computeSize;
+      delete this.widget.computedHeight;
+    } else {
+      this.widget.computeSize = () => [0, -4];
+      this.widget.computedHeight = 0;
+    }
+  }
+
+  start() {
+    this.clear();
+  }
+
+  clear() {
+    this.error.show("");
+  }
+
+  fail(message) {
+    this.error.show(message);
+  }
+
+  refuse(message) {
+    this.error.show(message);
+  }
 }
 
 class SamplerChart {
   constructor(node) {
     this.node = node;
-    this.box = makeBox(node, "sjd_chart", CHART_HEIGHT + 36);
+    // (the frontend may ask the heights before the parts exist)
+    this.box = makeBox(node, "sjd_chart", () => [
+      this.errorLine?.height() ?? 0,
+      CHART_HEIGHT,
+      this.status ? Math.max(textHeight(this.status, node), LINE) : LINE,
+    ]);
     this.canvas = document.createElement("canvas");
-    this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;`;
+    this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;flex:none;`;
     this.status = document.createElement("div");
-    this.status.style.cssText = "white-space:pre-wrap;overflow:hidden;";
+    this.status.className = "sjd-status";
+    this.status.style.cssText = "white-space:pre-wrap;overflow-wrap:anywhere;flex:none;";
     this.box.append(this.canvas, this.status);
-    this.error = makeErrorLine(this.box);
+    this.errorLine = new ErrorLine(node, this.box);
+    this.error = this.errorLine.line;
+    this.frame = null;
     this.reset();
     const last = node.properties?.sjd_last;
     if (last) this.restore(last, "last run");
@@ -86,6 +200,8 @@ class SamplerChart {
   dispose() {
     this.observer?.disconnect();
     this.observer = null;
+    if (this.frame !== null) cancelAnimationFrame(this.frame);
+    this.frame = null;
   }
 
   reset() {
@@ -97,24 +213,35 @@ class SamplerChart {
 
   start() {
     this.reset();
-    showError(this.node, this.error, "");
+    this.clear();
     this.setStatus("running...");
   }
 
+  clear() {
+    this.errorLine.show("");
+  }
+
   fail(message) {
-    showError(this.node, this.error, message);
+    this.errorLine.show(message);
     this.setStatus(`stopped (error) after ${this.accepted.length} steps`);
   }
 
+  // An input was refused before the run: the chart keeps what it showed.
+  refuse(message) {
+    this.errorLine.show(message);
+  }
+
+  // One message covers every step since the previous one: ``steps`` holds their mean accepted
+  // lengths, oldest first, and ``iteration`` is the last one's number.
   progress(detail) {
-    const active = detail.accepted.filter((a) => a > 0);
-    this.accepted.push(active.length ? active.reduce((a, b) => a + b, 0) / active.length : 0);
+    for (const value of detail.steps ?? []) this.accepted.push(value);
     this.committed = detail.committed.reduce((a, b) => a + b, 0);
     this.total = detail.total * detail.committed.length;
-    const mean = this.accepted.reduce((a, b) => a + b, 0) / this.accepted.length;
+    const mean = this.accepted.reduce((a, b) => a + b, 0) / Math.max(this.accepted.length, 1);
     this.setStatus(
       `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
-        `mean ${mean.toFixed(2)} per step`
+        `mean ${mean.toFixed(2)} per step`,
+      false
     );
   }
 
@@ -131,10 +258,21 @@ class SamplerChart {
     this.setStatus(`${label}: ${last.text ?? ""}`);
   }
 
-  setStatus(text) {
+  // Show ``text`` under the chart; ``refit`` makes the node tall enough for all of it (not
+  // needed for the one-line status of a running step).
+  setStatus(text, refit = true) {
     this.status.textContent = text;
-    this.draw();
-    this.node.setDirtyCanvas?.(true, true);
+    this.scheduleDraw();
+    if (refit) fit(this.node);
+  }
+
+  // Draw at the next animation frame, once however many messages arrive before it.
+  scheduleDraw() {
+    if (this.frame !== null) return;
+    this.frame = requestAnimationFrame(() => {
+      this.frame = null;
+      this.draw();
+    });
   }
 
   draw() {
@@ -151,7 +289,7 @@ class SamplerChart {
     ctx.fillStyle = "#888";
     ctx.fillText("codes accepted per step", 6, 12);
     if (!values.length) return;
-    const peak = Math.max(...values, 1);
+    const peak = values.reduce((a, b) => Math.max(a, b), 1);
     const top = 18;
     const bar = (width - 8) / values.length;
     ctx.fillStyle = "#21918c";
@@ -167,48 +305,146 @@ class SamplerChart {
 class SummaryText {
   constructor(node) {
     this.node = node;
-    this.box = makeBox(node, "sjd_summary", 120);
+    // The whole summary, up to SUMMARY_MAX_HEIGHT (a longer one scrolls).
+    this.box = makeBox(node, "sjd_summary", () => [
+      this.errorLine?.height() ?? 0,
+      this.pre ? Math.min(Math.max(textHeight(this.pre, node), LINE), SUMMARY_MAX_HEIGHT) : LINE,
+    ]);
     this.pre = document.createElement("pre");
-    this.pre.style.cssText = "margin:0;white-space:pre-wrap;overflow:auto;max-height:160px;";
+    this.pre.style.cssText =
+      `margin:0;white-space:pre-wrap;overflow:auto;max-height:${SUMMARY_MAX_HEIGHT}px;flex:none;`;
     this.box.append(this.pre);
-    this.error = makeErrorLine(this.box);
+    this.errorLine = new ErrorLine(node, this.box);
+    this.error = this.errorLine.line;
     this.show(node.properties?.sjd_last_text ?? "");
   }
 
   start() {
-    showError(this.node, this.error, "");
+    this.clear();
+  }
+
+  clear() {
+    this.errorLine.show("");
   }
 
   fail(message) {
-    showError(this.node, this.error, message);
+    this.errorLine.show(message);
+  }
+
+  refuse(message) {
+    this.errorLine.show(message);
   }
 
   show(text) {
     this.pre.textContent = text;
     this.node.properties = this.node.properties ?? {};
     this.node.properties.sjd_last_text = text;
-    this.node.setDirtyCanvas?.(true, true);
+    fit(this.node);
   }
 }
 
 const chartOf = (id) => findNode(id)?.sjdChart ?? null;
-// The part of a node that shows its run: the sampler's chart or the diagnostics' summary.
-const viewOf = (id) => {
-  const node = findNode(id);
-  return node?.sjdChart ?? node?.sjdSummary ?? null;
-};
+// The part of a pack node that shows its run and its errors.
+const viewOf = (id) => findNode(id)?.sjdView ?? null;
+
+// Every pack node in the graph, subgraphs included.
+function packViews() {
+  const views = [];
+  const visit = (graph, seen) => {
+    if (!graph || seen.has(graph)) return;
+    seen.add(graph);
+    for (const node of graph._nodes ?? graph.nodes ?? []) {
+      if (node.sjdView) views.push(node.sjdView);
+      if (node.subgraph) visit(node.subgraph, seen);
+    }
+  };
+  visit(app.graph, new Set());
+  return views;
+}
+
+// What ComfyUI's input validation says about one node, as the pack words it. A check of the
+// pack's own (VALIDATE_INPUTS) answers "<input> - <the pack's message>": the message is shown as
+// it is. ComfyUI's own checks (a required input not connected, a value out of range) are named
+// with the node's title and the input.
+function validationMessage(node, entry) {
+  const lines = (entry?.errors ?? []).map((error) => {
+    const input = error.extra_info?.input_name;
+    const details = String(error.details ?? "");
+    if (error.type === "custom_validation_failed" && input && details.startsWith(`${input} - `)) {
+      return details.slice(input.length + 3);
+    }
+    const title = node.title || entry.class_type || node.type;
+    const about = input ? `${input}: ` : "";
+    const more = details && details !== input ? ` (${details})` : "";
+    return `${title}: ${about}${error.message ?? "refused"}${more}`;
+  });
+  return lines.length ? lines.join("\n") : "this node's inputs were refused";
+}
+
+// Show ComfyUI's answer to a queued prompt on the pack's nodes: node_errors maps an execution id
+// to { errors: [{ type, message, details, extra_info }], class_type }.
+function showNodeErrors(nodeErrors) {
+  if (!nodeErrors || typeof nodeErrors !== "object") return;
+  for (const [id, entry] of Object.entries(nodeErrors)) {
+    const node = findNode(id);
+    node?.sjdView?.refuse(validationMessage(node, entry));
+  }
+}
+
+// A new prompt was queued: the messages of the previous one go.
+function clearErrors() {
+  for (const view of packViews()) view.clear();
+}
+
+// The frontend learns of refused inputs from the answer to POST /prompt: api.queuePrompt returns
+// it (HTTP 200, node_errors of outputs left out) or throws it as `error.response` (HTTP 400); the
+// 2024 frontend and 1.32 and 1.58 alike. Wrapping the call on the api object catches it before
+// the frontend's own dialog. As a fallback, app.lastNodeErrors (where every one of them keeps
+// the last answer) is read once app.queuePrompt has finished.
+function hookValidation() {
+  const post = api.queuePrompt;
+  if (typeof post === "function" && !post.sjdWrapped) {
+    const wrapped = async function (...args) {
+      clearErrors();
+      try {
+        const answer = await post.apply(this, args);
+        showNodeErrors(answer?.node_errors);
+        return answer;
+      } catch (error) {
+        showNodeErrors(error?.response?.node_errors);
+        throw error;
+      }
+    };
+    wrapped.sjdWrapped = true;
+    api.queuePrompt = wrapped;
+  }
+  const queue = app.queuePrompt;
+  if (typeof queue === "function" && !queue.sjdWrapped) {
+    const wrapped = async function (...args) {
+      try {
+        return await queue.apply(this, args);
+      } finally {
+        showNodeErrors(app.lastNodeErrors);
+      }
+    };
+    wrapped.sjdWrapped = true;
+    app.queuePrompt = wrapped;
+  }
+}
 
 app.registerExtension({
   name: "sjd.progress",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!PACK_NODES.has(nodeData.name)) return;
     const sampler = SAMPLERS.has(nodeData.name);
-    if (!sampler && nodeData.name !== DIAGNOSTICS) return;
+    const diagnostics = nodeData.name === DIAGNOSTICS;
     const created = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = created?.apply(this, arguments);
-      if (sampler) this.sjdChart = new SamplerChart(this);
-      else this.sjdSummary = new SummaryText(this);
+      if (sampler) this.sjdView = this.sjdChart = new SamplerChart(this);
+      else if (diagnostics) this.sjdView = this.sjdSummary = new SummaryText(this);
+      else this.sjdView = this.sjdError = new ErrorView(this);
       return result;
     };
     const removed = nodeType.prototype.onRemoved;
@@ -235,6 +471,7 @@ app.registerExtension({
   },
 
   setup() {
+    hookValidation();
     api.addEventListener("executing", ({ detail }) => {
       // Older ComfyUI sends the node id itself, newer ones an object with it.
       const id = detail && typeof detail === "object" ? detail.node : detail;

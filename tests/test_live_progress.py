@@ -1,0 +1,158 @@
+"""What the sampler sends the browser while it runs, without ComfyUI: chart messages and progress
+bar updates at most 10 a second (a fake clock stands in for time), every step counted once, the
+last step always sent."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.pack import import_pack
+
+pack = import_pack()
+from sjd_pack.nodes import comfy_bridge, generation  # noqa: E402
+from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
+from sjd_pack.sjd_core.decoding.engine import IterationReport  # noqa: E402
+from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
+
+Sampler = pack.NODE_CLASS_MAPPINGS["SJDSamplerV2"]
+TOTAL = 64  # codes per image in the hand-made runs below
+
+
+class FakeClock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[str, dict]]:
+    """Every websocket message the nodes send, as (event, payload)."""
+    messages: list[tuple[str, dict]] = []
+    monkeypatch.setattr(comfy_bridge, "send",
+                        lambda event, payload: messages.append((event, payload)))
+    return messages
+
+
+@pytest.fixture
+def bar_updates(monkeypatch) -> list[tuple[int, int, object]]:
+    """Every update that reaches ComfyUI's progress bar, as (value, total, preview); a stand-in
+    for ``comfy.utils`` takes the place of ComfyUI's."""
+    updates: list[tuple[int, int, object]] = []
+
+    class ProgressBar:
+        def __init__(self, total: int) -> None:
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None) -> None:
+            updates.append((value, total, preview))
+
+    utils = SimpleNamespace(ProgressBar=ProgressBar)
+    real = comfy_bridge._comfy
+    monkeypatch.setattr(comfy_bridge, "_comfy",
+                        lambda module: utils if module == "comfy.utils" else real(module))
+    return updates
+
+
+def reports(accepted: list[list[int]], total: int = TOTAL):
+    """The engine's reports for a run whose iteration i commits ``accepted[i]`` codes per row."""
+    committed = [0] * len(accepted[0])
+    for i, step in enumerate(accepted, start=1):
+        committed = [c + a for c, a in zip(committed, step)]
+        yield IterationReport(iteration=i, committed=list(committed), accepted=list(step),
+                              total=total, codes=torch.zeros(len(step), total, dtype=torch.long),
+                              shape="chain 4")
+
+
+def test_throttle_lets_one_update_through_per_interval_and_every_final_one():
+    clock = FakeClock()
+    throttle = comfy_bridge.Throttle(0.1, clock)
+    seen = []
+    for tick in range(25):  # 2.4 s in steps of 0.1 s / 4
+        seen.append(throttle.ready())
+        clock.now += 0.025
+    assert seen == [True, False, False, False] * 6 + [True]
+    assert throttle.ready(final=True) and throttle.ready(final=True)  # final: never held back
+    assert not throttle.ready()
+
+
+def test_chart_messages_are_ten_a_second_and_carry_every_step_once(sent):
+    clock = FakeClock()
+    # 200 steps of 7 ms (1.4 s), two rows of 300 codes: the second takes 3 a step and ends after
+    # 100 steps, the first takes 1 a step and its last 101 on step 200.
+    accepted = [[1, 3]] * 100 + [[1, 0]] * 99 + [[101, 0]]
+    watcher = generation.LiveProgress(adapter=None, grid=(8, 8), batch=2, node_id="4",
+                                      mode="SJD", clock=clock)
+    for report in reports(accepted, total=300):
+        watcher.on_iteration(report)
+        clock.now += 0.007
+    watcher.flush()  # nothing left: the last step went out with the last message
+    messages = [m for event, m in sent if event == generation.PROGRESS_EVENT]
+    assert 14 <= len(messages) <= 16  # 1.4 s at 10 a second, plus the last step
+    assert messages[0]["iteration"] == 1 and messages[0]["steps"] == [2.0]
+    assert messages[-1]["iteration"] == 200 and messages[-1]["committed"] == [300, 300]
+    chart = [value for m in messages for value in m["steps"]]
+    assert chart == [round(v, 3) for v in watcher.accepted] and len(chart) == 200
+    # each message names its last step, so the steps it carries follow on from the previous one
+    ends = [m["iteration"] for m in messages]
+    assert [len(m["steps"]) for m in messages] == [b - a for a, b in zip([0] + ends, ends)]
+    # the mean over the rows still decoding
+    assert chart[:100] == [2.0] * 100 and chart[100:199] == [1.0] * 99 and chart[-1] == 101
+
+
+def test_progress_bar_updates_are_ten_a_second_and_the_last_one_always_arrives(bar_updates):
+    clock = FakeClock()
+    bar = comfy_bridge.Progress(TOTAL, clock=clock)
+    previews = []
+    for done in range(1, TOTAL + 1):  # 64 updates 3 ms apart: 0.19 s
+        bar.update(done, lambda: previews.append(done) or f"image {done}")
+        clock.now += 0.003
+    assert [value for value, _, _ in bar_updates] == [1, 35, TOTAL]
+    assert all(total == TOTAL for _, total, _ in bar_updates)
+    assert previews == [1, 35, TOTAL]  # a preview is made only for an update that goes out
+    assert bar_updates[-1][2] == ("JPEG", f"image {TOTAL}", 512)
+
+
+def test_a_sampler_run_sends_every_step_once_and_ends_full(sent, bar_updates):
+    torch.manual_seed(0)
+    model = LoadedModel(SyntheticModel(codebook_size=16, grid=(8, 8), sharpness=3.0), None,
+                        "synthetic", torch.float32)
+    out = Sampler().sample(model, prompt="p", negative_prompt="", resolution="default",
+                           batch_size=2, seed=3, mode="AR", window=0, unique_id="9")
+    iterations = out["ui"]["sjd_summary"][0]["iterations"]
+    messages = [m for event, m in sent if event == generation.PROGRESS_EVENT]
+    assert sum(len(m["steps"]) for m in messages) == iterations == 64  # AR: one code a step
+    assert messages[-1]["iteration"] == iterations and messages[-1]["committed"] == [64, 64]
+    assert [v for m in messages for v in m["steps"]] == out["ui"]["sjd_accepted"]
+    assert bar_updates[-1][:2] == (128, 128)
+    assert len(bar_updates) <= len(messages) + 1 < iterations
+
+
+def test_a_cancelled_run_still_sends_the_steps_it_made(sent, monkeypatch):
+    class Cancelled(Exception):
+        pass
+
+    calls = []
+
+    def cancel_at_the_tenth_check() -> None:
+        calls.append(1)
+        if len(calls) == 10:
+            raise Cancelled
+
+    monkeypatch.setattr(comfy_bridge, "check_interrupted", cancel_at_the_tenth_check)
+    torch.manual_seed(0)
+    model = LoadedModel(SyntheticModel(codebook_size=16, grid=(8, 8), sharpness=3.0), None,
+                        "synthetic", torch.float32)
+    with pytest.raises(Cancelled):
+        Sampler().sample(model, prompt="p", negative_prompt="", resolution="default",
+                         batch_size=1, seed=3, mode="AR", window=0, unique_id="9")
+    messages = [m for event, m in sent if event == generation.PROGRESS_EVENT]
+    assert sum(len(m["steps"]) for m in messages) == 9  # the nine steps made before the cancel
+    assert messages[-1]["iteration"] == 9 and messages[-1]["committed"] == [9]
+
