@@ -132,5 +132,4 @@ class SamplingChoice:
                              f"them, '{FAMILY_RECIPE}' (its first) or '{CUSTOM}' on SJD "
                              "Sampling Options.")
         chosen = recipes[name]
-        return SamplingSettings(guidance=chosen.guidance, temperature=chosen.temperature,
-                                top_k=chosen.top_k, top_p=chosen.top_p)
+        return SamplingSettings.of_recipe(chosen)

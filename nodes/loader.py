@@ -108,8 +108,9 @@ def info_text(model: str, adapter, weights: str, dtype: torch.dtype, where: str)
     storage = f"{weights} weights computing in {compute}" if weights in QUANTIZED_FORMATS else compute
     resolutions = ", ".join(f"{w}x{h}" for w, h in adapter.supported_resolutions())
     recipes = "; ".join(
-        f"{name}{' (default)' if i == 0 else ''}: guidance {r.guidance}, temperature {r.temperature}, "
-        f"top-k {r.top_k}, top-p {r.top_p} [{r.source}]"
+        f"{name}{' (default)' if i == 0 else ''}: guidance {r.guidance}"
+        f"{'' if r.guidance_schedule == 'constant' else f' ({r.guidance_schedule} schedule)'}, "
+        f"temperature {r.temperature}, top-k {r.top_k}, top-p {r.top_p} [{r.source}]"
         for i, (name, r) in enumerate(adapter.recipes.items()))
     return (f"{model}: family {adapter.family}, {storage} on {where}; resolutions {resolutions} "
             f"(first = default); official recipes: {recipes}")

@@ -53,13 +53,13 @@ def recipe_choices() -> list[str]:
 
 class SJDSamplingOptions:
     """Another official recipe of the loaded model by name, or custom guidance, temperature,
-    top-k and top-p, in place of the family's first recipe."""
+    top-k, top-p and guidance schedule, in place of the family's first recipe."""
 
     DESCRIPTION = ("Sampling settings for an SJD Sampler instead of the model family's first "
                    "official recipe: another official recipe by name (the Loader's info lists "
                    "the model's recipes and their sources), or your own classifier-free "
-                   "guidance, temperature, top-k and top-p. They define the distribution every "
-                   "mode draws from; acceleration never changes it.")
+                   "guidance, temperature, top-k, top-p and guidance schedule. They define the "
+                   "distribution every mode draws from; acceleration never changes it.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "options"
     RETURN_TYPES = (SAMPLING_TYPE,)
@@ -70,10 +70,11 @@ class SJDSamplingOptions:
     def INPUT_TYPES(cls) -> dict:
         recipe = (recipe_choices(), {
             "default": CUSTOM,
-            "tooltip": f"'{CUSTOM}': the four numbers below. '{FAMILY_RECIPE}': the loaded "
-                       "model's first official recipe. A name: that official recipe of the "
-                       "loaded model (the Loader's info lists the model's recipes and where each "
-                       "comes from); a name the model does not have stops with its list."})
+            "tooltip": f"'{CUSTOM}': the settings below. '{FAMILY_RECIPE}': the loaded "
+                       "model's first official recipe (Lumina-mGPT 2.0's with its official "
+                       "guidance schedule). A name: that official recipe of the loaded model "
+                       "(the Loader's info lists the model's recipes and where each comes "
+                       "from); a name the model does not have stops with its list."})
         return {"required": {"recipe": recipe} | {name: field_widget(SamplingSettings, name)
                                                   for name in sampling_fields()}}
 

@@ -91,6 +91,12 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
     "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),
     "top_k": ("Keep the k most likely codes; 0 = off, 1 = greedy.", 0, 1_000_000, 1),
     "top_p": ("Nucleus sampling mass; 1.0 = off.", 0.01, 1.0, 0.01),
+    "guidance_schedule": ("How the guidance scale varies along the image. constant = the "
+                          "guidance above at every code. lumina-mgpt-2 = Lumina-mGPT 2.0's "
+                          "official schedule (its recipe's): a guidance of 1.0 stays off, any "
+                          "other below 4 becomes 4, one above 4 falls to 4 over the first codes. "
+                          "Depends on the code's position only: lossless in every mode.",
+                          None, None, None),
 }
 # Widget defaults that differ from the dataclass default (guidance 1.0 would switch CFG off).
 WIDGET_DEFAULTS = {"guidance": 3.0}

@@ -40,9 +40,11 @@ PROMPT = "a red fox"
 NEGATIVE = "blur"
 
 
-def target_distribution(cond: np.ndarray, uncond: np.ndarray | None, guidance: float,
-                        temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The target of each row of raw logits (..., V), in float64, by the rule in the docstring."""
+def target_distribution(cond: np.ndarray, uncond: np.ndarray | None,
+                        guidance: float | np.ndarray, temperature: float, top_k: int,
+                        top_p: float) -> np.ndarray:
+    """The target of each row of raw logits (..., V), in float64, by the rule in the docstring;
+    ``guidance`` may be an array of scales that broadcasts against the logits (one per slot)."""
     cond = np.asarray(cond, dtype=np.float64)
     if uncond is None:
         logits = cond
@@ -108,10 +110,15 @@ def conditional_logits(model: SyntheticModel, sampling: SamplingSettings
 
 
 def joint_from_logits(cond: torch.Tensor, uncond: torch.Tensor | None,
-                      sampling: SamplingSettings) -> torch.Tensor:
-    """Probability of every image from its slots' raw logits (see :func:`conditional_logits`)."""
+                      sampling: SamplingSettings,
+                      slot_scales: list[float] | None = None) -> torch.Tensor:
+    """Probability of every image from its slots' raw logits (see :func:`conditional_logits`);
+    with ``slot_scales``, slot i is guided with ``slot_scales[i]`` instead of
+    ``sampling.guidance``."""
+    guidance = (sampling.guidance if slot_scales is None
+                else np.asarray(slot_scales, dtype=np.float64)[:, None])  # (slots, 1)
     targets = target_distribution(cond.numpy(), None if uncond is None else uncond.numpy(),
-                                  sampling.guidance, sampling.temperature, sampling.top_k,
+                                  guidance, sampling.temperature, sampling.top_k,
                                   sampling.top_p)
     images = np.array(list(itertools.product(range(cond.shape[-1]), repeat=cond.shape[1])))
     picked = np.take_along_axis(targets, images[..., None], axis=-1)[..., 0]

@@ -177,10 +177,11 @@ def first_codes(model, request: GenerationRequest, sampling: SamplingSettings,
 
 
 def check_greedy_modes_agree(model, request: GenerationRequest, guidance: float,
-                             slots: int | None = None) -> dict[str, int]:
+                             slots: int | None = None,
+                             guidance_schedule: str = "constant") -> dict[str, int]:
     """Greedy (top-k 1) codes are identical in AR and every lossless mode, on the first ``slots``
     slots of each image (all when None); returns the iterations each mode needed for them."""
-    sampling = SamplingSettings(guidance=guidance, top_k=1)
+    sampling = SamplingSettings(guidance=guidance, top_k=1, guidance_schedule=guidance_schedule)
     ar, forwards = first_codes(model, request, sampling, AccelerationSettings(window=1), slots)
     iterations = {"ar": forwards}
     for name, acceleration in LOSSLESS_MODES.items():

@@ -23,7 +23,7 @@ import torch
 from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
                        loop_verify_tree, sample_images, target_distribution, tiny_model,
                        tiny_sampling, verdict_of_path)
-from sjd_core.decoding import drafting, engine, planner, sampling, verify
+from sjd_core.decoding import drafting, engine, guidance, planner, sampling, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
 from sjd_core.decoding.sampling import (MASS_UNIT, mass_units, nucleus_floor, process, residual,
@@ -311,6 +311,57 @@ def test_auto_is_exact_on_peaky_targets_whatever_shapes_it_picks(model, peaky_jo
     value = goodness_of_fit(draws, peaky_joints[regime])
     print(f"\npeaky distribution test, {regime}, auto with shapes at random: p = {value:.3g}")
     assert value > PASS_P
+
+
+# ------------------------------------------------------------------ a guidance scale per slot
+# A guidance schedule (Lumina-mGPT 2.0's official one, for instance) gives every slot a scale that
+# depends on its position alone. Injected at the seam ``guidance.slot_scales``: one scale per slot
+# of the 2 x 3 grid, far apart, so that a target made with another slot's scale shows. The joint
+# is the reference's with the same scale per slot. (On this grid Lumina-mGPT 2.0's own schedule
+# is flat: its first step already reaches 4.)
+SLOT_SCALES = [1.0, 3.0, 0.0, 2.5, 0.5, 2.0]
+SCHEDULED_MODES = ("ar", "sjd+ac+pd K4 D3, left init", "auto")  # one step, a window, trees
+SCHEDULED, SCHEDULED_POWER = 800_000, 850_000  # offsets of their runs
+
+
+@pytest.fixture(scope="module")
+def scheduled_joint(model):
+    sampling = tiny_sampling()
+    return joint_from_logits(*conditional_logits(model, sampling), sampling, SLOT_SCALES)
+
+
+def scale_per_slot(monkeypatch) -> None:
+    monkeypatch.setattr(guidance, "slot_scales", lambda settings, height, width: SLOT_SCALES)
+
+
+def test_the_scales_per_slot_change_the_joint(model, joint, scheduled_joint):
+    assert abs(float(scheduled_joint.sum()) - 1.0) < 1e-9
+    assert float((scheduled_joint - joint).abs().sum()) > 0.3
+    assert int((scheduled_joint * SAMPLES >= 5).sum()) >= 150  # many images are likely...
+    assert float(scheduled_joint.max()) < 0.2  # ...and none dominates
+
+
+@pytest.mark.parametrize("mode", SCHEDULED_MODES)
+def test_a_guidance_scale_per_slot_keeps_every_mode_exact(model, scheduled_joint, monkeypatch,
+                                                          mode):
+    """Plain autoregression, a window with a draft tree, and auto's changing shapes, all rows of
+    one batch: each slot's target is made with that slot's scale wherever it is computed."""
+    scale_per_slot(monkeypatch)
+    value = p_value(model, scheduled_joint, mode, seed_offset=SCHEDULED)
+    print(f"\ndistribution test, a scale per slot, {mode}: p = {value:.3g} ({SAMPLES} samples)")
+    assert value > PASS_P
+
+
+def test_power_a_node_guided_with_its_own_slots_scale_is_rejected(model, scheduled_joint,
+                                                                  monkeypatch):
+    """The broken variant: a fed node's target (that of the slot after the node) made with the
+    scale of the node's own slot. The exact code passes in the same mode above."""
+    scale_per_slot(monkeypatch)
+    monkeypatch.setattr(guidance.SlotGuidance, "after", guidance.SlotGuidance.at)
+    mode = SCHEDULED_MODES[1]
+    value = p_value(model, scheduled_joint, mode, POWER_SAMPLES, seed_offset=SCHEDULED_POWER)
+    print(f"\npower test, the scale of the node's own slot (mode {mode}): p = {value:.3g}")
+    assert value < REJECT_P
 
 
 def test_seeds_differ_per_mode():

@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+from sjd_core.decoding.guidance import SlotGuidance, lumina_mgpt_2_scales
+from sjd_core.decoding.settings import SamplingSettings
 from sjd_core.models import lumina2
 from sjd_core.models.lumina2 import read_layout
 from sjd_core.models.registry import load_model
@@ -83,6 +85,8 @@ def test_recipe_prompt_and_structural_tokens(model):
     assert isinstance(model, ImageTokenModel) and model.family == "lumina-mgpt-2"
     assert (model.defaults.guidance, model.defaults.top_k, model.defaults.temperature) == (4.0, 4096, 1.0)
     assert "sample.sh" in model.defaults.source
+    assert SamplingSettings.of_recipe(model.defaults) == SamplingSettings(
+        guidance=4.0, temperature=1.0, top_k=4096, guidance_schedule="lumina-mgpt-2")
     ids = model.prompt_ids("a red fox", (768, 768))
     assert ids[0] == EOS  # the tokenizer has no BOS token: prompts start with its EOS, as officially
     text = model.tokenizer.decode(ids[1:-4])
@@ -163,6 +167,66 @@ def test_q_k_norms_expanded_per_head(model, stock):
     assert model.model.model.vqmodel is None  # the unused VQ encoder is not built
 
 
+# ----------------------------------------------------------------------------- guidance schedule
+# The official sampler's scale of each code, from lumina_mgpt/inference_solver.py of
+# Alpha-VLLM/Lumina-mGPT-2.0 (commit f44a4d7),
+# LLMImageStartTriggeredUnbatchedClassifierFreeGuidanceLogitsProcessor.__call__: at every token
+# sampled after the image start once n >= 2 tokens follow it (n counts the two size tokens, the
+# codes and the row ends), a scale of exactly 1.0 stays off, else
+#     scale = max(4.0, scale * (1 - n / (h_latent_dim * w_latent_dim)))
+# with h_latent_dim, w_latent_dim = 2 * (H/32), 2 * (W/32) read from the size tokens. The numbers
+# were derived from that rule in exact rational arithmetic (code k in rows of w codes is sampled
+# at n = 2 + k + k // w), not by this pack's function.
+OFFICIAL_SCALES = {  # (guidance, grid height, grid width) -> {code index: scale}
+    (1.0, 96, 96): {0: 1.0, 1: 1.0, 9215: 1.0},  # exactly 1: never guided
+    (2.0, 96, 96): {0: 4.0, 1: 4.0, 500: 4.0, 9215: 4.0},  # below 4: 4 from the first code on
+    (0.0, 96, 96): {0: 4.0, 9215: 4.0},
+    (4.0, 96, 96): {0: 4.0, 5: 4.0, 9215: 4.0},
+    (7.0, 96, 96): {0: 6.993923611111111, 1: 6.984816939742477, 2: 6.972690521444313,
+                    10: 6.7695100563708595, 30: 5.562748981722934, 48: 4.0103192439748305,
+                    49: 4.0, 95: 4.0, 96: 4.0, 9215: 4.0},  # 768 x 768 px
+    # 384 x 1536 px, rows of 48 codes: the row end after code 47 (n = 50) counts, so code 48
+    # (n = 51) is at 4 (it would be 4.0103... were row ends not counted)
+    (7.0, 192, 48): {0: 6.993923611111111, 46: 4.1883545467971, 47: 4.099279298189002, 48: 4.0,
+                     9215: 4.0},
+}
+
+
+@pytest.mark.parametrize("key", list(OFFICIAL_SCALES), ids=str)
+def test_guidance_schedule_equals_the_official_samplers(key):
+    guidance, height, width = key
+    official = OFFICIAL_SCALES[key]
+    scales = lumina_mgpt_2_scales(guidance, height, width)
+    assert len(scales) == height * width
+    assert {k: scales[k] for k in official} == pytest.approx(official, rel=1e-12, abs=0)
+    assert all(a >= b for a, b in zip(scales, scales[1:]))  # it never rises
+    # the engine's table: float32 of the same numbers, or the one number of a flat schedule
+    settings = SamplingSettings(guidance=guidance, guidance_schedule="lumina-mgpt-2")
+    table = SlotGuidance(settings, height, width, torch.device("cpu"))
+    slots = torch.tensor([list(official)] * 2)  # two batch rows
+    got = table.at(slots)
+    if guidance == 7.0:
+        want = torch.tensor(list(official.values()), dtype=torch.float32)
+        assert got.shape == (2, len(official), 1) and got.dtype == torch.float32
+        assert torch.equal(got[..., 0], want.expand(2, -1))
+        assert torch.equal(table.after(slots - 1), got)  # a node's output is the next slot's
+    else:
+        assert got == official[0] and table.after(slots - 1) == official[0]
+
+
+def test_official_recipe_guides_with_the_schedule_and_constant_stays_constant():
+    settings = SamplingSettings.of_recipe(lumina2.RECIPES["official"])
+    assert settings.guidance_schedule == "lumina-mgpt-2"
+    assert SlotGuidance(settings, 96, 96, torch.device("cpu")).constant == 4.0  # 4 is flat
+    for guidance in (2.0, 7.0):
+        constant = SlotGuidance(SamplingSettings(guidance=guidance), 96, 96, torch.device("cpu"))
+        assert constant.constant == guidance and constant.table is None
+    with pytest.raises(ValueError) as error:
+        SamplingSettings(guidance=7.0, guidance_schedule="lumina")
+    assert str(error.value) == ("guidance_schedule='lumina' is not allowed: guidance_schedule "
+                                "must be one of ('constant', 'lumina-mgpt-2').")
+
+
 # ----------------------------------------------------------------------------- session exactness
 def test_window_tree_keep_and_guidance_match_the_stock_model(model, stock):
     request = GenerationRequest(prompt="a red fox")
@@ -184,6 +248,11 @@ def test_greedy_codes_identical_in_every_lossless_mode(small):
     request = GenerationRequest(prompt="a red fox", batch_size=2)
     forwards = fc.check_greedy_modes_agree(small, request, guidance=4.0)
     assert forwards["ar"] == 64
+    # the official schedule from 30 falls to 4 over the first five codes of this 8 x 8 grid, so
+    # a window or tree node given the scale of another slot would change greedy codes
+    # (L = 8 * 8 / 4 = 16: the fifth code, n = 6, has 30 * 14/16 * 13/16 * 12/16 * 11/16 * 10/16)
+    assert lumina_mgpt_2_scales(30.0, 8, 8)[4:6] == [30 * 14 * 13 * 12 * 11 * 10 / 16**5, 4.0]
+    fc.check_greedy_modes_agree(small, request, guidance=30.0, guidance_schedule="lumina-mgpt-2")
     fc.check_relaxed_modes_run(small, GenerationRequest(prompt="a red fox"), guidance=4.0)
 
 

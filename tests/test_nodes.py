@@ -368,7 +368,8 @@ def test_sampling_options_pick_an_official_recipe_by_name(two_recipes):
     runs = [sample(two_recipes, prompt="p", seed=seed, mode="SJD", sampling=greedy)
             for seed in (1, 2)]
     assert runs[0][1].trace.meta["sampling"] == {"guidance": 1.0, "temperature": 1.0,
-                                                 "top_k": 1, "top_p": 1.0}
+                                                 "top_k": 1, "top_p": 1.0,
+                                                 "guidance_schedule": "constant"}
     assert torch.equal(runs[0][0].codes, runs[1][0].codes)  # greedy: the seed does not matter
     default = sample(two_recipes, prompt="p", seed=1, mode="SJD",
                      sampling=sampling(recipe="family recipe"))[1]

@@ -28,6 +28,7 @@ from ..messages import quote
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     flat_rows, redraft, shift_window, take_rows
+from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
 from .sampling import IterationUniforms, RowRandom, as_type, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
@@ -96,6 +97,7 @@ class _Decoder:
         self.anchor = torch.zeros(batch, dtype=torch.long, device=device)
         self.rule = acceptance_rule(acceleration, None if acceleration.lossless
                                     else model.codebook_embeddings().to(device))
+        self.guidance = SlotGuidance(sampling, self.height, self.width, device)
         self.state: WindowState | None = None  # drafts; None after plain autoregressive steps
         self.new_from = 0  # window offsets before this one all have drafts made from a target
         # per column, the target of the last committed slot (+ a column that absorbs the rest)
@@ -110,7 +112,7 @@ class _Decoder:
         """One node per row, its target sampled: plain autoregression."""
         uniforms = self.random.uniform(1)[:, 0]
         cond, uncond = self.session.advance(self.anchor, self.done, self.recorder.clock.mark)
-        target = process(cond, uncond, self.sampling)
+        target = process(cond, uncond, self.sampling, self.guidance.at(self.committed))
         token = sample(target, uniforms)
         flat = self.row_start + self.committed
         self.codes.index_put_((flat,), token)
@@ -149,7 +151,7 @@ class _Decoder:
         node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
         cond, uncond = self.session.forward(node_tokens, node_slots, tree.host_ancestors,
                                             self.done, self.recorder.clock.mark)
-        target = process(cond, uncond, self.sampling)
+        target = process(cond, uncond, self.sampling, self.guidance.after(node_slots))
         verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q, numbers.tests,
                               numbers.final, self.rule,
                               count_siblings=self.acceleration.adaptive_shape)

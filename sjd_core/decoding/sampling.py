@@ -25,17 +25,27 @@ _LAST_FLUSHED = float(np.nextafter(np.float32(NEGLIGIBLE), np.float32(0.0)))
 
 
 def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
-            settings: SamplingSettings) -> torch.Tensor:
+            settings: SamplingSettings, scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """Target probabilities (float32, same shape as the logits) from raw codebook logits.
 
     Order: ``l = l_u + s * (l_c - l_u)`` (only when unconditional logits are given), divide by the
     temperature, keep the ``top_k`` largest, keep the smallest set of most likely codes whose mass
     reaches ``top_p`` (:func:`nucleus_floor`), softmax, and probabilities below ``NEGLIGIBLE`` set
     to 0.
+
+    ``s`` is ``scale``: the guidance of the slots whose targets these are, from
+    :meth:`.guidance.SlotGuidance.at` (a number, or float32 ``(..., 1)`` broadcast over the
+    codebook); None means ``settings.guidance``, which only the constant schedule allows.
     """
     logits = as_type(cond_logits, torch.float32)
     if uncond_logits is not None:
-        logits = torch.lerp(as_type(uncond_logits, torch.float32), logits, settings.guidance)
+        if scale is None:
+            if settings.guidance_schedule != "constant":
+                raise ValueError(
+                    f"guidance_schedule={settings.guidance_schedule!r} gives every slot its own "
+                    "scale: process needs the scale of the slots (SlotGuidance.at), not None.")
+            scale = settings.guidance
+        logits = torch.lerp(as_type(uncond_logits, torch.float32), logits, scale)
     if settings.temperature != 1.0:
         logits = logits / settings.temperature
     vocab = logits.shape[-1]

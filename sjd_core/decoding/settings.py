@@ -16,10 +16,12 @@ from ..messages import quote
 InitRule = Literal["uniform", "left", "above", "above_target"]
 RelaxedRule = Literal["none", "lantern", "gsd"]
 ShapeCost = Literal["time", "passes"]
+GuidanceSchedule = Literal["constant", "lumina-mgpt-2"]
 
 INIT_RULES: tuple[str, ...] = ("uniform", "left", "above", "above_target")
 SHAPE_COSTS: tuple[str, ...] = ("time", "passes")
 RELAXED_RULES: tuple[str, ...] = ("none", "lantern", "gsd")
+GUIDANCE_SCHEDULES: tuple[str, ...] = ("constant", "lumina-mgpt-2")  # see :mod:`.guidance`
 PRESETS: tuple[str, ...] = ("auto", "ar", "sjd", "pac", "pac+vp")
 DEFAULT_PRESET = "auto"  # what the nodes, the demo and the benchmarks run unless told otherwise
 
@@ -76,23 +78,38 @@ class SamplingSettings:
 
     ``top_k=0`` and ``top_p=1.0`` switch those filters off. Greedy decoding is ``top_k=1``.
     ``guidance=1.0`` means no classifier-free guidance (the unconditional context is not run).
+    ``guidance_schedule`` is how the scale varies along the image: ``constant`` (``guidance``
+    at every code) or ``lumina-mgpt-2`` (Lumina-mGPT 2.0's official sampler, which starts from
+    ``guidance`` and never guides below 4); see :mod:`.guidance`. A schedule depends on the
+    code's position alone, so every mode stays exact.
     """
 
     guidance: float = 1.0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    guidance_schedule: GuidanceSchedule = "constant"  # last: saved node widgets stay in place
 
     def __post_init__(self) -> None:
         for name in ("guidance", "temperature", "top_p"):
             _finite(name, getattr(self, name))
         require(self.guidance >= 0, "guidance", self.guidance, ">= 0 (1.0 = no guidance)")
+        require(isinstance(self.guidance_schedule, str)
+                and self.guidance_schedule in GUIDANCE_SCHEDULES, "guidance_schedule",
+                self.guidance_schedule, f"one of {GUIDANCE_SCHEDULES}")
         require(self.temperature > 0, "temperature", self.temperature,
                  "> 0 (for greedy decoding set top_k=1)")
         require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                  "an integer >= 0 (0 = off, 1 = greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1.0 = off)")
         _no_bool("top_k", self.top_k, "an integer >= 0 (0 = off, 1 = greedy)")
+
+    @classmethod
+    def of_recipe(cls, recipe: object, **overrides: object) -> "SamplingSettings":
+        """The settings of an official recipe (an object with these settings' fields by name,
+        such as a model's ``SamplingDefaults``; a field it lacks keeps its default), with
+        ``overrides`` on top."""
+        return cls(**{f.name: getattr(recipe, f.name, f.default) for f in fields(cls)} | overrides)
 
 
 @dataclass(frozen=True)

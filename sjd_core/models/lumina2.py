@@ -18,8 +18,22 @@ adapter:
 * only codes are sampled: the session computes logits for the code entries alone (the official
   sampler suppresses every other token and forces the row and image ends); row ends are fed.
 * guidance 4.0 against a separate context that starts at the image-start token, top-k 4096,
-  temperature 1.0 (README and ``scripts/sample.sh``). For a guidance above 4 the official processor
-  lowers it towards 4 as the image fills; the pack keeps the scale the user sets.
+  temperature 1.0 (README and ``scripts/sample.sh``), with the official guidance schedule
+  (``guidance_schedule="lumina-mgpt-2"``, the recipe's default): the guidance processor of
+  ``inference_solver.py`` (``LLMImageStartTriggeredUnbatchedClassifierFreeGuidanceLogitsProcessor``)
+  keeps a scale of exactly 1 off, raises any other scale below 4 to 4, and lowers one above 4
+  towards 4 code by code, reaching 4 within about 30 (guidance 5) to 95 (guidance 30) codes. At
+  every token after the image start it sets ``scale = max(4, scale * (1 - n / L))``, where ``n``
+  counts the tokens after the image start (the two size tokens, the codes and the row ends: the
+  code at raster index ``k``, in rows of ``W/8`` codes, has ``n = 2 + k + k // (W/8)``; the
+  update also runs at the row ends) and ``L = (H/16)(W/16)`` (twice the size tokens' H/32 and
+  W/32: a quarter of the codes).
+  The scale depends only on the position, so every mode stays exact. At the recipe's 4.0 it is 4
+  everywhere; it differs from a constant scale only for another guidance (custom settings with
+  this schedule, or the demo's ``--guidance``). ``guidance_schedule="constant"`` keeps the
+  scale the user sets at every code. See ``sjd_core/decoding/guidance.py``. (The repository's
+  ``--speculative_jacobi`` path, ``jacobi_utils_static.py``, instead guides at a constant scale
+  and adds a top-n-sigma filter; the pack follows the default path.)
 * sizes: the crop sizes of its data pipeline at the trained 768 px (``generate_crop_size_list`` in
   ``item_processor.py``, which crops every training image to one of them), 768 x 768 first.
 * weights: Lumina-mGPT's per-model-parallel-shard q/k norms, expanded per head on load; the VQ
@@ -54,11 +68,13 @@ TRAINED_SIZE = 768
 PIXELS_PER_CODE = 8
 CODE_NAME_PREFIX = "<MOVQGAN"
 OFFICIAL_CODE_OFFSET = 155000  # inference_solver.py / item_processor.py: token = code + 155000
+GUIDANCE_SCHEDULE = "lumina-mgpt-2"  # the official schedule: sjd_core/decoding/guidance.py
 RECIPES = {
     "official": SamplingDefaults(
-        guidance=4.0, temperature=1.0, top_k=4096,
+        guidance=4.0, temperature=1.0, top_k=4096, guidance_schedule=GUIDANCE_SCHEDULE,
         source="Lumina-mGPT-2.0 README.md and lumina_mgpt/scripts/sample.sh "
-               "(--cfg 4.0 --top_k 4096 --temperature 1.0)"),
+               "(--cfg 4.0 --top_k 4096 --temperature 1.0); guidance schedule of "
+               "lumina_mgpt/inference_solver.py"),
 }
 MOVQGAN_FILES = ("movqgan_270M.safetensors", "movqgan_270M.ckpt")
 # Where the decoder may live, relative to the model folder, in the order searched: inside the

@@ -61,7 +61,9 @@ class SamplingDefaults:
     """One official sampling recipe of a family, used when the user does not override it.
 
     ``source`` names where the numbers come from (a script, demo or document of the official
-    release), so users can tell two official recipes apart.
+    release), so users can tell two official recipes apart. ``guidance_schedule`` names how the
+    official sampler varies the guidance scale along the image (``constant``: not at all; the
+    names are those of the decoding core's ``SamplingSettings.guidance_schedule``).
     """
 
     guidance: float
@@ -69,6 +71,7 @@ class SamplingDefaults:
     top_k: int  # 0 = no top-k
     top_p: float = 1.0
     source: str = ""
+    guidance_schedule: str = "constant"
 
 
 @dataclass(frozen=True)

@@ -289,10 +289,9 @@ def _run(args: argparse.Namespace) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, names = load(args.model, device)
     recipe = model.defaults
-    sampling = SamplingSettings(guidance=recipe.guidance, temperature=recipe.temperature,
-                                top_k=recipe.top_k, top_p=recipe.top_p)
+    sampling = SamplingSettings.of_recipe(recipe)
     if args.setting == "hot":
-        sampling = SamplingSettings(guidance=recipe.guidance, temperature=1.5, top_k=recipe.top_k)
+        sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: MODES[name] for name in args.modes.split(",")}
     for acceleration in modes.values():  # before any mode (or generate()) runs a batch

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..messages import quote
-from ..decoding.settings import DEFAULT_PRESET, PRESETS, AccelerationSettings
+from ..decoding.settings import DEFAULT_PRESET, GUIDANCE_SCHEDULES, PRESETS, AccelerationSettings
 from ..command_line import ArgumentParser, device_name, output_folder, run_command
 from .cli import ImageProgress, set_threads
 
@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="random seed; image b uses seed + b")
     parser.add_argument("--guidance", type=float, default=None,
                         help="classifier-free guidance scale (default: the model's)")
+    parser.add_argument("--guidance-schedule", default=None, choices=GUIDANCE_SCHEDULES,
+                        help="how the guidance scale varies along the image: constant, or "
+                             "lumina-mgpt-2 (Lumina-mGPT 2.0's official schedule, never below 4) "
+                             "(default: the model's)")
     parser.add_argument("--temperature", type=float, default=None, help="(default: the model's)")
     parser.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's)")
     parser.add_argument("--top-p", type=float, default=None, help="1.0 = off (default: the model's)")
@@ -95,10 +99,9 @@ def sampling_settings(model: ImageTokenModel, args: argparse.Namespace) -> Sampl
     from ..decoding.settings import SamplingSettings
 
     chosen = {"guidance": args.guidance, "temperature": args.temperature, "top_k": args.top_k,
-              "top_p": args.top_p}
-    defaults = model.defaults
-    return SamplingSettings(**{name: getattr(defaults, name) if value is None else value
-                               for name, value in chosen.items()})
+              "top_p": args.top_p, "guidance_schedule": args.guidance_schedule}
+    return SamplingSettings.of_recipe(model.defaults, **{name: value for name, value
+                                                         in chosen.items() if value is not None})
 
 
 def slug(text: str) -> str:

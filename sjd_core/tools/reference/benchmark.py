@@ -104,6 +104,7 @@ def target_statistics(model: ImageTokenModel, request: GenerationRequest,
     """
     import torch
 
+    from ...decoding.guidance import SlotGuidance
     from ...decoding.sampling import entropy, process
 
     with torch.inference_mode():
@@ -114,7 +115,9 @@ def target_statistics(model: ImageTokenModel, request: GenerationRequest,
         slots = torch.arange(-1, n - 1).expand(batch, n)
         chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
         cond, uncond = session.forward(fed, slots, chain, [0] * batch)
-        target = process(cond, uncond, sampling)
+        target = process(cond, uncond, sampling,
+                         SlotGuidance(sampling, height, width, cond.device)
+                         .after(slots.to(cond.device)))
         return (entropy(target).mean(1).cpu().numpy(),
                 target.amax(-1).mean(1).cpu().numpy())
 
@@ -354,8 +357,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
     model = load_model(args.model or WEIGHTS_DIR, device=args.device)
     probe = QualityProbe(args.model or WEIGHTS_DIR)
     recipe = model.defaults
-    base = SamplingSettings(guidance=recipe.guidance, temperature=recipe.temperature,
-                            top_k=recipe.top_k, top_p=recipe.top_p)
+    base = SamplingSettings.of_recipe(recipe)
     settings = {"default": base,
                 "high-entropy": replace(base, temperature=args.high_temperature, top_p=1.0)}
     count = 10 * args.per_class
