@@ -98,8 +98,9 @@ class SJDSampler:
                                "(drafting, verification prediction, LOSSY relaxed acceptance). "
                                "Without it: the mode's own settings."}),
                 "sampling": (SAMPLING_TYPE, {
-                    "tooltip": "Guidance, temperature, top-k and top-p from SJD Sampling "
-                               "Options: another of the model's official recipes, or your own. "
+                    "tooltip": "Guidance, temperature, top-k, top-p and guidance schedule "
+                               "from SJD Sampling Options: another of the model's official "
+                               "recipes, or your own. "
                                "Without it: the model family's first official recipe (see the "
                                "Loader's info)."}),
             },
