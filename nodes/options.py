@@ -75,8 +75,10 @@ class SJDSamplingOptions:
                        "guidance schedule). A name: that official recipe of the loaded model "
                        "(the Loader's info lists the model's recipes and where each comes "
                        "from); a name the model does not have stops with its list."})
-        return {"required": {"recipe": recipe} | {name: field_widget(SamplingSettings, name)
-                                                  for name in sampling_fields()}}
+        widgets = {name: field_widget(SamplingSettings, name) for name in sampling_fields()}
+        # Optional, so prompts saved before the schedule existed still validate (as constant).
+        schedule = {"guidance_schedule": widgets.pop("guidance_schedule")}
+        return {"required": {"recipe": recipe} | widgets, "optional": schedule}
 
     def options(self, recipe: str = CUSTOM, **widgets: object) -> tuple[SamplingChoice]:
         """Custom numbers are validated here, so a bad value is reported on this node; a recipe

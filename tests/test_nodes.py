@@ -153,8 +153,14 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     assert "codes per second on this machine" in inputs["adaptive_shape"][1]["tooltip"]
     # the options node at its defaults changes nothing of a preset, LANTERN's k and delta included
     assert acceleration().settings("pac", None) == AccelerationSettings.preset("pac")
-    assert list(SamplingOptions.INPUT_TYPES()["required"]) == [
+    sampling_inputs = SamplingOptions.INPUT_TYPES()
+    assert [*sampling_inputs["required"], *sampling_inputs["optional"]] == [
         "recipe", *SamplingSettings.__dataclass_fields__]
+    # a prompt saved before the guidance schedule existed still gives a constant scale
+    assert list(sampling_inputs["optional"]) == ["guidance_schedule"]
+    (choice,) = SamplingOptions().options("custom", guidance=5.0, temperature=1.0, top_k=0,
+                                          top_p=1.0)
+    assert choice.custom.guidance_schedule == "constant" and choice.custom.guidance == 5.0
 
 
 def test_lantern_knobs_can_stay_scaled_to_the_codebook():
