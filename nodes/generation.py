@@ -24,8 +24,9 @@ from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
 
 PROGRESS_EVENT = "sjd.progress"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews
-# The least time between two chart messages: at most 10 a second (the page redraws on each, and
-# one message per step slowed a short run several times over); the last step is always sent.
+# The least time between two chart messages: at most 4 a second, as the progress bar (the page
+# redraws on each, and one message per step slowed a short run several times over); the last step
+# is always sent.
 MESSAGE_SECONDS = comfy_bridge.UPDATE_SECONDS
 CHART_POINTS = 240  # the most values of the accepted-per-step series sent to the browser
 # Every size a released checkpoint of any family draws, so that ComfyUI accepts each of them; the

@@ -96,16 +96,16 @@ def test_text_to_image_workflow_runs(server, object_info):
     assert summary["mode"] == "AUTO" and summary["lossless"]
     assert summary["slots_per_image"] == REFERENCE_CODES
     assert 1 <= summary["nfe"] < REFERENCE_CODES  # speculative: fewer passes than codes
-    # The chart hears every step once, in messages at most 10 a second, the last step in the last.
+    # The chart hears every step once, in messages at most 4 a second, the last step in the last.
     progress = [m for m in listener.of("sjd.progress") if m["node"] == sampler]
     assert [v for m in progress for v in m["steps"]] == shown["sjd_accepted"]
     assert progress[-1]["iteration"] == summary["iterations"]
     assert sum(progress[-1]["committed"]) == REFERENCE_CODES
-    assert len(progress) <= 10 * summary["total_seconds"] + 2
+    assert len(progress) <= 4 * summary["total_seconds"] + 2
     assert listener.previews >= 1, "no live preview frame reached the browser"
     # ComfyUI's progress bar: as often, and it ends full.
     bar = [m for m in listener.of("progress") if m["node"] == sampler]
-    assert len(bar) <= 10 * summary["total_seconds"] + 2
+    assert len(bar) <= 4 * summary["total_seconds"] + 2
     assert [m["value"] for m in bar] == sorted(m["value"] for m in bar)
     assert bar[-1]["value"] == bar[-1]["max"] == REFERENCE_CODES
     saved = entry["outputs"][nodes_of(prompt, "SaveImage")[0]]["images"]
@@ -131,11 +131,9 @@ def test_ar_and_auto_side_by_side(server, object_info):
     texts = []
     for node in nodes_of(prompt, "SJDDiagnostics"):
         shown = entry["outputs"][node]
-        # one sheet: the comparison, three heatmaps, the draft rules, the histogram
-        assert len(shown["images"]) == 1
-        sheet, layout = fetch_image(server, shown["images"][0]), shown["sjd_sheet"][0]
-        assert sheet.shape[:2] == (layout["height"], layout["width"]) and layout["width"] == 600
-        assert layout["speed_up_box"] is not None  # the AR run is its baseline
+        assert len(shown["images"]) == 5  # three heatmaps, the histogram, the draft rules
+        heat = fetch_image(server, shown["images"][0])
+        assert heat.shape[1] == 256 and heat.shape[0] > 256  # map over the image + colour bar
         texts.append(shown["sjd_text"][0])
     measured = [t for t in texts if "speed-up over AR" in t and "measured" in t]
     assert len(measured) == 1, texts

@@ -1,5 +1,5 @@
 """What the sampler sends the browser while it runs, without ComfyUI: chart messages and progress
-bar updates at most 10 a second (a fake clock stands in for time), every step counted once, the
+bar updates at most 4 a second (a fake clock stands in for time), every step counted once, the
 last step always sent."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_throttle_lets_one_update_through_per_interval_and_every_final_one():
     assert not throttle.ready()
 
 
-def test_chart_messages_are_ten_a_second_and_carry_every_step_once(sent):
+def test_chart_messages_are_four_a_second_and_carry_every_step_once(sent):
     clock = FakeClock()
     # 200 steps of 7 ms (1.4 s), two rows of 300 codes: the second takes 3 a step and ends after
     # 100 steps, the first takes 1 a step and its last 101 on step 200.
@@ -94,7 +94,8 @@ def test_chart_messages_are_ten_a_second_and_carry_every_step_once(sent):
         clock.now += 0.007
     watcher.flush()  # nothing left: the last step went out with the last message
     messages = [m for event, m in sent if event == generation.PROGRESS_EVENT]
-    assert 14 <= len(messages) <= 16  # 1.4 s at 10 a second, plus the last step
+    assert generation.MESSAGE_SECONDS == 0.25
+    assert 6 <= len(messages) <= 7  # 1.4 s at 4 a second, plus the last step
     assert messages[0]["iteration"] == 1 and messages[0]["steps"] == [2.0]
     assert messages[-1]["iteration"] == 200 and messages[-1]["committed"] == [300, 300]
     chart = [value for m in messages for value in m["steps"]]
@@ -106,16 +107,17 @@ def test_chart_messages_are_ten_a_second_and_carry_every_step_once(sent):
     assert chart[:100] == [2.0] * 100 and chart[100:199] == [1.0] * 99 and chart[-1] == 101
 
 
-def test_progress_bar_updates_are_ten_a_second_and_the_last_one_always_arrives(bar_updates):
+def test_progress_bar_updates_are_four_a_second_and_the_last_one_always_arrives(bar_updates):
     clock = FakeClock()
     bar = comfy_bridge.Progress(TOTAL, clock=clock)
+    assert bar.throttle.interval == comfy_bridge.UPDATE_SECONDS == 0.25
     previews = []
-    for done in range(1, TOTAL + 1):  # 64 updates 3 ms apart: 0.19 s
+    for done in range(1, TOTAL + 1):  # 64 updates 8 ms apart: 0.5 s
         bar.update(done, lambda: previews.append(done) or f"image {done}")
-        clock.now += 0.003
-    assert [value for value, _, _ in bar_updates] == [1, 35, TOTAL]
+        clock.now += 0.008
+    assert [value for value, _, _ in bar_updates] == [1, 33, TOTAL]
     assert all(total == TOTAL for _, total, _ in bar_updates)
-    assert previews == [1, 35, TOTAL]  # a preview is made only for an update that goes out
+    assert previews == [1, 33, TOTAL]  # a preview is made only for an update that goes out
     assert bar_updates[-1][2] == ("JPEG", f"image {TOTAL}", 512)
 
 

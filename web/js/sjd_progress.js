@@ -57,28 +57,44 @@ function textHeight(element, node) {
 }
 
 // A DOM widget as tall as its parts need (``parts()`` lists their heights), so no text is cut:
-// the canvas places the element ``MARGIN`` inside a slot of the height asked for.
-function makeBox(node, name, parts) {
+// the canvas places the element ``MARGIN`` inside a slot of the height asked for. The canvas asks
+// that height every frame, so it is measured only when the content changes (``box.measure()``)
+// or the box's width does (text wraps anew); ``onWidth`` is called then too.
+function makeBox(node, name, parts, onWidth) {
   const box = document.createElement("div");
   box.className = name.replace("_", "-");
   box.style.cssText =
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;overflow:hidden;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
-  const needed = () => {
+  let height = 0;
+  // Measure again; returns whether the height changed.
+  box.measure = () => {
     const heights = parts().filter((h) => h > 0);
-    if (!heights.length) return 0; // nothing to show: no room taken
-    return heights.reduce((a, b) => a + b, 0) + GAP * (heights.length - 1) + 2 * MARGIN;
+    const needed = heights.length // nothing to show: no room taken
+      ? heights.reduce((a, b) => a + b, 0) + GAP * (heights.length - 1) + 2 * MARGIN
+      : 0;
+    const changed = needed !== height;
+    height = needed;
+    return changed;
   };
   node.addDOMWidget(name, "sjd-" + name, box, {
     serialize: false,
-    getMinHeight: needed,
-    getHeight: needed, // the 2024 frontend's preferred height (the Vue-nodes mode follows the content)
+    getMinHeight: () => height,
+    getHeight: () => height, // the 2024 frontend's preferred height (Vue nodes follow the content)
   });
+  let width = null;
+  box.observer = new ResizeObserver(() => {
+    if (box.clientWidth === width) return;
+    width = box.clientWidth;
+    if (box.measure()) fit(node);
+    onWidth?.();
+  });
+  box.observer.observe(box);
   return box;
 }
 
 // Make the node tall enough for its boxes (the canvas does not grow a node by itself when a
-// widget's height changes), and give back what an error took once it is gone.
+// widget's height changes).
 function fit(node) {
   if (!node.size) return;
   const needed = node.computeSize?.();
@@ -99,6 +115,7 @@ class ErrorLine {
       `overflow:auto;max-height:${ERROR_MAX_HEIGHT}px;flex:none;`;
     this.line.hidden = true;
     box.prepend(this.line);
+    this.box = box;
     this.grown = null; // [height before, height after] when showing the error grew the node
   }
 
@@ -113,6 +130,7 @@ class ErrorLine {
     this.line.textContent = text;
     this.line.hidden = !message;
     this.beforeShow?.(!!message);
+    this.box.measure();
     const node = this.node;
     const before = node.size?.[1];
     if (message) {
@@ -154,6 +172,10 @@ class ErrorView {
     }
   }
 
+  dispose() {
+    this.box.observer.disconnect();
+  }
+
   start() {
     this.clear();
   }
@@ -175,11 +197,16 @@ class SamplerChart {
   constructor(node) {
     this.node = node;
     // (the frontend may ask the heights before the parts exist)
-    this.box = makeBox(node, "sjd_chart", () => [
-      this.errorLine?.height() ?? 0,
-      CHART_HEIGHT,
-      this.status ? Math.max(textHeight(this.status, node), LINE) : LINE,
-    ]);
+    this.box = makeBox(
+      node,
+      "sjd_chart",
+      () => [
+        this.errorLine?.height() ?? 0,
+        CHART_HEIGHT,
+        this.status ? Math.max(textHeight(this.status, node), LINE) : LINE,
+      ],
+      () => this.draw()
+    );
     this.canvas = document.createElement("canvas");
     this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;flex:none;`;
     this.status = document.createElement("div");
@@ -192,11 +219,10 @@ class SamplerChart {
     this.reset();
     const last = node.properties?.sjd_last;
     if (last) this.restore(last, "last run");
-    this.observer = new ResizeObserver(() => this.draw());
-    this.observer.observe(this.canvas);
+    this.observer = this.box.observer;
   }
 
-  // The node was removed from the graph: stop watching its canvas.
+  // The node was removed from the graph: stop watching its box.
   dispose() {
     this.observer?.disconnect();
     this.observer = null;
@@ -240,8 +266,7 @@ class SamplerChart {
     const mean = this.accepted.reduce((a, b) => a + b, 0) / Math.max(this.accepted.length, 1);
     this.setStatus(
       `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
-        `mean ${mean.toFixed(2)} per step`,
-      false
+        `mean ${mean.toFixed(2)} per step`
     );
   }
 
@@ -258,12 +283,11 @@ class SamplerChart {
     this.setStatus(`${label}: ${last.text ?? ""}`);
   }
 
-  // Show ``text`` under the chart; ``refit`` makes the node tall enough for all of it (not
-  // needed for the one-line status of a running step).
-  setStatus(text, refit = true) {
+  // Show ``text`` under the chart; the node grows when it needs more lines.
+  setStatus(text) {
     this.status.textContent = text;
     this.scheduleDraw();
-    if (refit) fit(this.node);
+    if (this.box.measure()) fit(this.node);
   }
 
   // Draw at the next animation frame, once however many messages arrive before it.
@@ -280,8 +304,8 @@ class SamplerChart {
     const width = Math.max(canvas.clientWidth, 50);
     const height = CHART_HEIGHT;
     const scale = window.devicePixelRatio || 1;
-    canvas.width = width * scale;
-    canvas.height = height * scale;
+    if (canvas.width !== width * scale) canvas.width = width * scale;
+    if (canvas.height !== height * scale) canvas.height = height * scale;
     const ctx = canvas.getContext("2d");
     ctx.setTransform(scale, 0, 0, scale, 0, 0);
     ctx.clearRect(0, 0, width, height);
@@ -319,6 +343,10 @@ class SummaryText {
     this.show(node.properties?.sjd_last_text ?? "");
   }
 
+  dispose() {
+    this.box.observer.disconnect();
+  }
+
   start() {
     this.clear();
   }
@@ -339,6 +367,7 @@ class SummaryText {
     this.pre.textContent = text;
     this.node.properties = this.node.properties ?? {};
     this.node.properties.sjd_last_text = text;
+    this.box.measure();
     fit(this.node);
   }
 }
@@ -449,7 +478,7 @@ app.registerExtension({
     };
     const removed = nodeType.prototype.onRemoved;
     nodeType.prototype.onRemoved = function () {
-      this.sjdChart?.dispose();
+      this.sjdView?.dispose();
       return removed?.apply(this, arguments);
     };
     const configured = nodeType.prototype.onConfigure;
