@@ -131,9 +131,11 @@ def test_ar_and_auto_side_by_side(server, object_info):
     texts = []
     for node in nodes_of(prompt, "SJDDiagnostics"):
         shown = entry["outputs"][node]
-        assert len(shown["images"]) == 5  # three heatmaps, the histogram, the draft rules
-        heat = fetch_image(server, shown["images"][0])
-        assert heat.shape[1] == 256 and heat.shape[0] > 256  # map over the image + colour bar
+        # one sheet: the comparison, three heatmaps, the draft rules, the histogram
+        assert len(shown["images"]) == 1
+        sheet, layout = fetch_image(server, shown["images"][0]), shown["sjd_sheet"][0]
+        assert sheet.shape[:2] == (layout["height"], layout["width"]) and layout["width"] == 600
+        assert layout["speed_up_box"] is not None  # the AR run is its baseline
         texts.append(shown["sjd_text"][0])
     measured = [t for t in texts if "speed-up over AR" in t and "measured" in t]
     assert len(measured) == 1, texts
