@@ -58,6 +58,19 @@ def parse_resolution(value: str, node: str) -> tuple[int, int] | None:
     return width, height
 
 
+def check_resolution(resolution: str | None, node: str) -> bool | str:
+    """The samplers' VALIDATE_INPUTS for ``resolution``: True for 'default' or a size some family
+    draws (the loaded model decides at run time), else the pack's message, which ComfyUI shows on
+    the node before anything runs (it then skips its own list check of that input). None (the
+    input comes from another node) is left to the run."""
+    if resolution is None or resolution in RESOLUTIONS:
+        return True
+    return (f"{node}: resolution={quote(resolution)} is not a size any SJD model draws (a "
+            "workflow from an older version or another machine?): pick 'default' (the model's "
+            "own size) or one of the sizes the list offers, which are the connected model's "
+            "(the Loader's info output names them too).")
+
+
 def downsampled(values: list[float], points: int = CHART_POINTS) -> list[float]:
     """At most ``points`` values: consecutive runs of ``values`` replaced by their means."""
     if len(values) <= points:

@@ -8,7 +8,7 @@ Acceleration Options and SJD Sampling Options nodes as objects.
 from __future__ import annotations
 
 from ..sjd_core.decoding.settings import AccelerationSettings
-from .generation import RESOLUTIONS, Prompting, run_sampler
+from .generation import RESOLUTIONS, Prompting, check_resolution, run_sampler
 from .handles import (ACCELERATION_TYPE, CODES_TYPE, MODEL_TYPE, SAMPLING_TYPE, TRACE_TYPE,
                       AccelerationOptions, LoadedModel, SamplingChoice)
 from .widgets import (BATCH_TOOLTIP, chosen_window, default_mode, mode_choices, preset_of,
@@ -106,6 +106,12 @@ class SJDSampler:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, resolution: str | None = None) -> bool | str:
+        # Runs instead of ComfyUI's own list check, so a size no model draws gets a message
+        # that says what to pick.
+        return check_resolution(resolution, NODE)
 
     def sample(self, model: LoadedModel, prompt: str, negative_prompt: str, resolution: str,
                batch_size: int, seed: int, mode: str, window: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..sjd_core.messages import quote
 from ..sjd_core.decoding.settings import INIT_RULES, RELAXED_RULES, AccelerationSettings, SamplingSettings
-from .generation import RESOLUTIONS, Prompting, run_sampler
+from .generation import RESOLUTIONS, Prompting, check_resolution, run_sampler
 from .handles import (CODES_TYPE, CUSTOM, FAMILY_RECIPE, MODEL_TYPE, TRACE_TYPE, LoadedModel,
                       SamplingChoice)
 from .widgets import BATCH_TOOLTIP, FIELD_WIDGETS, LOSSY
@@ -181,6 +181,12 @@ class SJDSamplerLegacy:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, resolution: str | None = None) -> bool | str:
+        # Runs instead of ComfyUI's own list check, so a size no model draws gets a message
+        # that says what to pick.
+        return check_resolution(resolution, NODE)
 
     def sample(self, model: LoadedModel, unique_id: str | None = None, **widgets: object) -> dict:
         """Turn the widgets into settings objects, then run like SJD Sampler does."""

@@ -183,6 +183,19 @@ def test_every_family_size_passes_comfyuis_check_and_the_model_decides(server, o
     assert "pick one of 32x32" in error["exception_message"]
 
 
+def test_a_size_no_model_draws_is_refused_before_the_run_with_the_packs_message(server,
+                                                                                object_info):
+    prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
+    sampler = nodes_of(prompt, "SJDSamplerV2")[0]
+    prompt[sampler]["inputs"]["resolution"] = "1000x1000"  # e.g. a workflow from elsewhere
+    answer = server.post("/prompt", {"prompt": prompt, "client_id": server.client_id})
+    assert "prompt_id" not in answer
+    (error,) = answer["node_errors"][sampler]["errors"]
+    assert error["type"] == "custom_validation_failed"
+    assert error["details"].startswith(
+        "resolution - SJD Sampler: resolution='1000x1000' is not a size any SJD model draws")
+
+
 def test_interrupt_mid_run_then_next_prompt_runs(server, object_info):
     prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
     sampler = nodes_of(prompt, "SJDSamplerV2")[0]

@@ -1,6 +1,6 @@
 """What the sampler sends the browser while it runs, without ComfyUI: chart messages and progress
 bar updates at most 4 a second (a fake clock stands in for time), every step counted once, the
-last step always sent."""
+last step always sent; and what its input check answers before a run (shown on the node)."""
 
 from __future__ import annotations
 
@@ -158,3 +158,11 @@ def test_a_cancelled_run_still_sends_the_steps_it_made(sent, monkeypatch):
     assert sum(len(m["steps"]) for m in messages) == 9  # the nine steps made before the cancel
     assert messages[-1]["iteration"] == 9 and messages[-1]["committed"] == [9]
 
+
+def test_a_size_no_model_draws_is_refused_with_the_packs_message():
+    assert generation.check_resolution("default", "SJD Sampler") is True
+    assert generation.check_resolution("1024x256", "SJD Sampler") is True  # a Lumina-mGPT size
+    assert generation.check_resolution(None, "SJD Sampler") is True  # linked: the run decides
+    message = generation.check_resolution("1000x1000", "SJD Sampler")
+    assert message.startswith("SJD Sampler: resolution='1000x1000' is not a size any SJD model")
+    assert "'default'" in message
