@@ -4,9 +4,15 @@
 tests/comfyui_harness.py or the current one of tests/comfyui_current.py) and checks what a person
 sees, in the classic canvas or (``vue=True``) in the "Vue nodes" mode:
 
-* the text-to-image template loads, runs, and the sampler's chart counts steps from 1, receives
-  the finished run exactly once, and keeps the run on a cached re-run;
+* the text-to-image template loads, runs, and the sampler's chart counts steps from 1, each step
+  once, receives the finished run exactly once, and keeps the run on a cached re-run; the summary
+  under the chart shows whole;
 * a run that fails shows the pack's message in red on the sampler node itself;
+* inputs that ComfyUI's validation refuses (a size no model draws on the sampler, a family
+  template's checkpoint that is not installed on the loader) show the pack's message in red on
+  that node without a click, and the next run clears it;
+* the same AR run takes no longer from the page than over the API (the page's chart and
+  ComfyUI's progress bar hear at most 4 messages a second);
 * removing the sampler disconnects the chart's ResizeObserver;
 * a workflow saved with the first release's sampler loads and runs;
 * every template fits a 1600 x 1000 screen at 75% zoom, with its notes beside the nodes;
@@ -45,6 +51,10 @@ SCREEN = (1600, 1000)
 ZOOM = 0.75
 SAMPLER_TYPES = ("SJDSamplerV2", "SJDSampler")
 BAD_PROMPT = "a red sports car"  # the reference model knows Fashion-MNIST classes only
+STALE_RESOLUTION = "1000x1000"  # a size no family draws (a workflow from elsewhere)
+PAGE_OVER_API = 1.3  # the most a run queued from the page may take over the same run's API time
+# A family template: its checkpoint is not installed where the tests run.
+MISSING_CHECKPOINT = TEMPLATES / "SJD Lumina-mGPT text to image.json"
 
 
 def open_page(playwright, url: str):
@@ -93,16 +103,40 @@ def chart_text(page, sampler_id: int) -> str:
     return page.evaluate(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText")
 
 
+def set_widget(page, node_id: int, name: str, value) -> None:
+    """Set a widget's value as picking it in the page does."""
+    page.evaluate(f"""() => {{
+        const node = window.app.graph.getNodeById({node_id});
+        const widget = node.widgets.find((w) => w.name === {json.dumps(name)});
+        widget.value = {json.dumps(value)};
+        widget.callback?.(widget.value);
+    }}""")
+
+
 def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
-    """Queue the loaded workflow while recording the chart's status lines and its finish calls;
-    then queue it again (served from ComfyUI's cache, no progress messages)."""
+    """Queue the loaded workflow while recording the chart's status lines, the steps each
+    progress message brings and its finish calls; then queue it again with the seed kept (served
+    from ComfyUI's cache, no progress messages)."""
+    set_widget(page, sampler_id, "control_after_generate", "fixed")  # the templates randomise it
     page.evaluate(f"""() => {{
         const chart = window.app.graph.getNodeById({sampler_id}).sjdChart;
-        window.sjdSeen = {{ statuses: [], finishes: 0 }};
+        window.sjdSeen = {{ statuses: [], finishes: 0, messages: [], before_finish: null }};
         const setStatus = chart.setStatus.bind(chart);
-        chart.setStatus = (text) => {{ window.sjdSeen.statuses.push(text); setStatus(text); }};
+        chart.setStatus = (text, ...rest) => {{
+            window.sjdSeen.statuses.push(text);
+            setStatus(text, ...rest);
+        }};
+        const progress = chart.progress.bind(chart);
+        chart.progress = (detail) => {{
+            window.sjdSeen.messages.push([detail.iteration, (detail.steps ?? []).length]);
+            progress(detail);
+        }};
         const finish = chart.finish.bind(chart);
-        chart.finish = (...args) => {{ window.sjdSeen.finishes += 1; finish(...args); }};
+        chart.finish = (...args) => {{
+            window.sjdSeen.finishes += 1;
+            window.sjdSeen.before_finish ??= chart.accepted.length;
+            finish(...args);
+        }};
     }}""")
     started = time.monotonic()
     queue(page)
@@ -120,7 +154,10 @@ def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
     return {"image": image, "seconds": round(seconds, 1), "chart": text,
             "chart_after_cached_rerun": chart_text(page, sampler_id),
             "finishes": seen["finishes"], "first_step": steps[0] if steps else None,
-            "last_step": steps[-1] if steps else None}
+            "last_step": steps[-1] if steps else None,
+            # (last step named, steps brought) per progress message; the chart's bars when the
+            # finished run's own series arrived
+            "messages": seen["messages"], "bars_before_finish": seen["before_finish"]}
 
 
 def show_node(page, node_id: int) -> None:
@@ -156,6 +193,117 @@ def error_on_node(page, sampler_id: int, timeout: float, out: Path) -> dict:
     }}""")
     page.screenshot(path=str(out))
     return shown
+
+
+def summary_shown(page, sampler_id: int) -> dict:
+    """The sampler's summary line under its chart: its text, whether all of it shows (its box is
+    as tall as its text) and its box on the screen."""
+    return page.evaluate(f"""() => {{
+        const status = window.app.graph.getNodeById({sampler_id}).sjdChart.status;
+        const box = status.getBoundingClientRect();
+        const chart = status.parentElement.getBoundingClientRect();
+        // what the page shows at the summary's last line: the summary itself, not what covers
+        // or clips it
+        const shown = document.elementFromPoint(box.left + 4, box.bottom - 4);
+        return {{ text: status.textContent, scroll_height: status.scrollHeight,
+                 client_height: status.clientHeight,
+                 box: [box.left, box.top, box.width, box.height],
+                 inside_widget: box.bottom <= chart.bottom + 1,
+                 last_line_shown: status === shown || status.contains(shown),
+                 visible: status.checkVisibility ? status.checkVisibility()
+                                                 : status.offsetParent !== null }};
+    }}""")
+
+
+def error_line(page, node_id: int) -> dict:
+    """A pack node's red error line: its text, colour, screen box and whether it shows."""
+    return page.evaluate(f"""() => {{
+        const view = window.app.graph.getNodeById({node_id}).sjdView;
+        const line = view.errorLine?.line ?? view.error.line;
+        const box = line.getBoundingClientRect();
+        return {{ text: line.textContent, hidden: line.hidden, colour: getComputedStyle(line).color,
+                 box: [box.left, box.top, box.width, box.height],
+                 scroll_height: line.scrollHeight, client_height: line.clientHeight,
+                 visible: line.checkVisibility ? line.checkVisibility()
+                                               : line.offsetParent !== null }};
+    }}""")
+
+
+def wait_for_error_line(page, node_id: int, about: str, timeout: float = 60.0) -> None:
+    """Wait until the node's error line shows a message that names ``about``."""
+    page.wait_for_function(f"""(() => {{
+        const view = window.app.graph.getNodeById({node_id})?.sjdView;
+        const line = view && (view.errorLine?.line ?? view.error.line);
+        return line && !line.hidden && line.textContent.includes({json.dumps(about)});
+    }})()""", timeout=timeout * 1000)
+
+
+def refused_on_node(page, server, node_id: int, about: str, out: Path) -> dict:
+    """Queue the loaded workflow, which ComfyUI's input validation refuses because of the node's
+    input ``about``: the node's error line must show the message ComfyUI answers for it (the
+    pack's own, from its VALIDATE_INPUTS) without a click. Returns the line and that answer's
+    details for the node."""
+    prompt = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+    answer = server.post("/prompt", {"prompt": prompt, "client_id": "sjd-browser-check"})
+    queue(page)
+    wait_for_error_line(page, node_id, about)
+    page.keyboard.press("Escape")  # close the frontend's own dialog, if it opened one
+    show_node(page, node_id)
+    shown = error_line(page, node_id)
+    page.screenshot(path=str(out))
+    details = [e.get("details", "") for e in answer.get("node_errors", {}).get(str(node_id), {})
+               .get("errors", [])]
+    return {**shown, "answer": details}
+
+
+def history_entry(server, prompt_id: str, timeout: float) -> dict:
+    """Poll /history every 20 ms until the prompt has finished; returns its entry."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = server.get(f"/history/{prompt_id}").get(prompt_id)
+        if entry:
+            return entry
+        time.sleep(0.02)
+    raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout}s")
+
+
+def api_versus_page(page, server, sampler_id: int, save_id: int, pairs: int = 3,
+                    extra_pairs: int = 2, limit: float = PAGE_OVER_API, timeout: float = 120.0,
+                    first_seed: int = 1000) -> dict:
+    """The loaded text-to-image workflow in mode AR (one step per code: the most messages a run
+    sends), timed over the API (POST /prompt, done when /history has it) and from the page, which
+    shows the sampler (queued there, done when the page shows the image), in ``pairs`` pairs run
+    back to back; every run has a new seed, so none is served from the cache. Returns the times,
+    their medians and the median of each pair's page/API ratio. A noisy machine can slow any one
+    run: when that median is over ``limit``, ``extra_pairs`` more pairs are measured."""
+    for name, value in (("mode", "AR"), ("control_after_generate", "fixed"),
+                        ("resolution", "default")):
+        set_widget(page, sampler_id, name, value)
+    show_node(page, sampler_id)
+    prompt = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+    times: dict = {"api": [], "page": []}
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    ratio = lambda: median([p / a for a, p in zip(times["api"], times["page"])])  # noqa: E731
+    seeds = iter(range(first_seed, first_seed + 2 * (pairs + extra_pairs), 2))
+    for pair in range(pairs + extra_pairs):
+        if pair == pairs and ratio() <= limit:
+            break
+        seed = next(seeds)
+        prompt[str(sampler_id)]["inputs"]["seed"] = seed
+        started = time.monotonic()
+        answer = server.post("/prompt", {"prompt": prompt, "client_id": "sjd-api-timing"})
+        entry = history_entry(server, answer["prompt_id"], timeout)
+        times["api"].append(time.monotonic() - started)
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        set_widget(page, sampler_id, "seed", seed + 1)
+        before = shown_image(page, save_id)
+        started = time.monotonic()
+        queue(page)
+        wait_for_image(page, save_id, timeout, before)
+        times["page"].append(time.monotonic() - started)
+    return {**{k: [round(t, 2) for t in v] for k, v in times.items()},
+            "api_median": round(median(times["api"]), 2),
+            "page_median": round(median(times["page"]), 2), "ratio_median": round(ratio(), 2)}
 
 
 def observer_disconnects(page, sampler_id: int) -> int:
@@ -255,7 +403,15 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
         seen["run"] = run_with_chart(page, sampler_id, save_id, timeout)
         show_node(page, sampler_id)
         page.screenshot(path=str(out_dir / f"{tag}_sampler.png"))
+        seen["summary"] = summary_shown(page, sampler_id)
         seen["error"] = error_on_node(page, sampler_id, timeout, out_dir / f"{tag}_error.png")
+        set_widget(page, sampler_id, "prompt", "sneaker")
+        set_widget(page, sampler_id, "resolution", STALE_RESOLUTION)
+        seen["stale_resolution"] = refused_on_node(page, server, sampler_id, "resolution",
+                                                   out_dir / f"{tag}_stale_resolution.png")
+        # Its first run from the page clears the sampler's error line.
+        seen["timing"] = api_versus_page(page, server, sampler_id, save_id, timeout=timeout)
+        seen["error_after_the_next_run"] = error_line(page, sampler_id)
         seen["observer_disconnects"] = observer_disconnects(page, sampler_id)
 
         old = json.loads(OLD_WORKFLOW.read_text())
@@ -279,6 +435,12 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
         seen["diagnostics_text"] = page.evaluate(
             f"window.app.graph.getNodeById({diagnostics_id[-1]}).sjdSummary.pre.textContent")
 
+        family = json.loads(MISSING_CHECKPOINT.read_text())
+        load(page, family)
+        loader_id = node_of(family, "SJDModelLoader")
+        seen["missing_checkpoint"] = refused_on_node(page, server, loader_id, "model=",
+                                                     out_dir / f"{tag}_missing_checkpoint.png")
+
         seen["templates"] = {}
         for path in sorted(TEMPLATES.glob("*.json")):
             layout = template_layout(page, json.loads(path.read_text()),
@@ -286,6 +448,7 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
             seen["templates"][path.stem] = layout
         browser.close()
     seen["page_errors"] = errors
+    (out_dir / "seen.json").write_text(json.dumps(seen, indent=1))  # for a look after a failure
     return seen
 
 

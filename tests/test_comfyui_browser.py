@@ -7,13 +7,15 @@ in tests/screenshots/ (ignored by git).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from browser_check import BAD_PROMPT, SCREEN, SCREENSHOTS, TEMPLATES, check  # noqa: E402
+from browser_check import (BAD_PROMPT, PAGE_OVER_API, SCREEN, SCREENSHOTS,  # noqa: E402
+                           STALE_RESOLUTION, TEMPLATES, check)
 from comfyui_current import CurrentComfyServer  # noqa: E402
 from comfyui_harness import ComfyServer  # noqa: E402
 
@@ -50,6 +52,10 @@ def test_template_runs_and_the_chart_counts_each_step_once(seen):
     assert run["first_step"].startswith("AUTO: step 1, ")
     steps = int(run["chart"].split(":")[1].split("forward passes")[0])
     assert run["last_step"].startswith(f"AUTO: step {steps}, 256/256 codes")
+    # A message brings every step since the previous one: each step reaches the chart once.
+    ends = [last for last, _ in run["messages"]]
+    assert [count for _, count in run["messages"]] == [b - a for a, b in zip([0] + ends, ends)]
+    assert ends[-1] == steps and run["bars_before_finish"] == steps
     assert run["finishes"] == 1
     if vue:
         assert seen["vue_nodes"] == 5  # every node of the template drawn as a DOM element
@@ -65,6 +71,57 @@ def test_a_failed_run_shows_the_packs_message_in_red_on_the_sampler(seen):
     left, top, width, height = error["box"]
     assert error["visible"] and width > 100 and height > 60  # several lines, not one
     assert 0 <= left and left + width <= SCREEN[0] and 0 <= top and top + height <= SCREEN[1]
+
+
+def red(colour: str) -> bool:
+    r, g, b = (int(v) for v in colour.strip("rgba()").split(",")[:3])
+    return r > 200 and g < 100 and b < 100
+
+
+def on_screen(box: list[float]) -> bool:
+    left, top, width, height = box
+    return 0 <= left and left + width <= SCREEN[0] and 0 <= top and top + height <= SCREEN[1]
+
+
+def test_the_samplers_summary_shows_whole(seen):
+    summary = seen[0]["summary"]
+    assert "step compression" in summary["text"] and re.search(r", \d+\.\d+ s\b", summary["text"])
+    assert summary["text"] == seen[0]["run"]["chart_after_cached_rerun"]
+    assert summary["scroll_height"] <= summary["client_height"], summary  # nothing cut off
+    assert summary["client_height"] > 20  # several lines: the text is wrapped, not cut
+    assert summary["visible"] and summary["inside_widget"] and on_screen(summary["box"]), summary
+    assert summary["last_line_shown"], summary
+
+
+@pytest.mark.parametrize("refused", ["missing_checkpoint", "stale_resolution"])
+def test_a_refused_input_shows_the_packs_message_in_red_on_its_node_without_a_click(seen,
+                                                                                     refused):
+    line = seen[0][refused]
+    # ComfyUI's answer for the node: "<input> - <the pack's message>" from its VALIDATE_INPUTS
+    (details,) = line["answer"]
+    input_name, message = details.split(" - ", 1)
+    assert line["text"] == f"Error: {message}"
+    if refused == "missing_checkpoint":
+        assert input_name == "model"
+        assert message.startswith("SJD Model Loader: model='Lumina-mGPT-7B-768' was not found")
+        assert "extra_model_paths.yaml" in message  # where to put the files
+    else:
+        assert input_name == "resolution"
+        assert message.startswith(f"SJD Sampler: resolution='{STALE_RESOLUTION}' is not a size")
+    assert red(line["colour"]) and line["visible"] and not line["hidden"], line
+    assert line["scroll_height"] <= line["client_height"], line  # all of it, no scrolling
+    assert line["box"][2] > 100 and line["box"][3] > 30 and on_screen(line["box"]), line
+
+
+def test_the_next_run_clears_the_error_line(seen):
+    assert seen[0]["error_after_the_next_run"]["hidden"]
+    assert seen[0]["error_after_the_next_run"]["text"] == ""
+
+
+def test_the_page_does_not_slow_the_run(seen):
+    # the median of the paired page/API ratios (a pair runs back to back, under the same load)
+    timing = seen[0]["timing"]
+    assert timing["ratio_median"] <= PAGE_OVER_API, timing
 
 
 def test_removing_the_sampler_disconnects_its_resize_observer(seen):
