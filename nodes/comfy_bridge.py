@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 MODELS_FOLDER = "sjd"  # the name users write in extra_model_paths.yaml
-# The least time between two progress bar updates sent to the browser (each is a "progress" and a
-# "progress_state" message, and the page redraws on each): at most 4 a second. At 10 a second an
-# AR run of the reference model queued from the page still took about 1.3-1.4 times as long as
-# over the API on two busy cores; at 4, about as long.
-UPDATE_SECONDS = 0.25
+# The least time between two progress bar updates sent to the browser: at most 2 a second, as
+# often as a live preview, which travels with one. Each update is a "progress" and a
+# "progress_state" message, and the newest frontend's Vue-nodes mode spends about a tenth of a
+# second of CPU on each; at 10 a second an AR run of the reference model queued from the page took
+# 1.3-1.4 times as long as over the API on two busy cores.
+UPDATE_SECONDS = 0.5
 
 
 def _comfy(module: str) -> ModuleType | None:

@@ -24,10 +24,9 @@ from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
 
 PROGRESS_EVENT = "sjd.progress"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews
-# The least time between two chart messages: at most 4 a second, as the progress bar (the page
-# redraws on each, and one message per step slowed a short run several times over); the last step
-# is always sent.
-MESSAGE_SECONDS = comfy_bridge.UPDATE_SECONDS
+# The least time between two chart messages: at most 4 a second (one message per step slowed a
+# short run queued from the page several times over); the last step is always sent.
+MESSAGE_SECONDS = 0.25
 CHART_POINTS = 240  # the most values of the accepted-per-step series sent to the browser
 # Every size a released checkpoint of any family draws, so that ComfyUI accepts each of them; the
 # browser narrows the list to the connected model's sizes, and the loaded model decides at run
@@ -130,8 +129,8 @@ class LiveProgress:
 
     Cancel is checked every iteration. The browser hears at most one chart message every
     ``MESSAGE_SECONDS`` (with every step since the previous one, so the chart still counts each
-    step once) and one progress bar update every ``comfy_bridge.UPDATE_SECONDS`` (with a preview
-    at most every ``PREVIEW_SECONDS``); the last step always reaches both.
+    step once) and one progress bar update every ``comfy_bridge.UPDATE_SECONDS`` (a preview, at
+    most every ``PREVIEW_SECONDS``, travels with one); the last step always reaches both.
     """
 
     def __init__(self, adapter: object, grid: tuple[int, int], batch: int, node_id: str | None,

@@ -43,11 +43,12 @@ function findNode(id) {
   return node;
 }
 
-// The height ``element`` needs to show all of its text: measured once it is laid out, else
-// estimated from its text and the node's width.
-function textHeight(element, node) {
+// The height ``element`` needs to show all of its text: measured once it is laid out (reading it
+// makes the page lay itself out at once, which costs a frame's work in the Vue-nodes mode), else,
+// or when ``estimate`` is set, estimated from its text and the node's width.
+function textHeight(element, node, estimate = false) {
   if (element.hidden) return 0;
-  if (element.getClientRects().length) return element.scrollHeight;
+  if (!estimate && element.getClientRects().length) return element.scrollHeight;
   const width = Math.max((node.size?.[0] ?? 300) - 2 * MARGIN, 100);
   const perLine = Math.max(Math.floor(width / CHAR), 10);
   const lines = element.textContent
@@ -67,9 +68,10 @@ function makeBox(node, name, parts, onWidth) {
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;overflow:hidden;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
   let height = 0;
-  // Measure again; returns whether the height changed.
-  box.measure = () => {
-    const heights = parts().filter((h) => h > 0);
+  // Measure again (``estimate``: without making the page lay itself out); returns whether the
+  // height changed.
+  box.measure = (estimate = false) => {
+    const heights = parts(estimate).filter((h) => h > 0);
     const needed = heights.length // nothing to show: no room taken
       ? heights.reduce((a, b) => a + b, 0) + GAP * (heights.length - 1) + 2 * MARGIN
       : 0;
@@ -200,12 +202,15 @@ class SamplerChart {
     this.box = makeBox(
       node,
       "sjd_chart",
-      () => [
+      (estimate) => [
         this.errorLine?.height() ?? 0,
         CHART_HEIGHT,
-        this.status ? Math.max(textHeight(this.status, node), LINE) : LINE,
+        this.status ? Math.max(textHeight(this.status, node, estimate), LINE) : LINE,
       ],
-      () => this.draw()
+      () => {
+        this.width = Math.max(this.canvas.clientWidth, 50);
+        this.draw();
+      }
     );
     this.canvas = document.createElement("canvas");
     this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;flex:none;`;
@@ -216,6 +221,7 @@ class SamplerChart {
     this.errorLine = new ErrorLine(node, this.box);
     this.error = this.errorLine.line;
     this.frame = null;
+    this.width = 300; // the chart's width in CSS pixels, kept by the box's ResizeObserver
     this.reset();
     const last = node.properties?.sjd_last;
     if (last) this.restore(last, "last run");
@@ -266,7 +272,8 @@ class SamplerChart {
     const mean = this.accepted.reduce((a, b) => a + b, 0) / Math.max(this.accepted.length, 1);
     this.setStatus(
       `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
-        `mean ${mean.toFixed(2)} per step`
+        `mean ${mean.toFixed(2)} per step`,
+      true
     );
   }
 
@@ -283,11 +290,12 @@ class SamplerChart {
     this.setStatus(`${label}: ${last.text ?? ""}`);
   }
 
-  // Show ``text`` under the chart; the node grows when it needs more lines.
-  setStatus(text) {
+  // Show ``text`` under the chart; the node grows when it needs more lines (``estimate``: counted
+  // from the text's length, for the running step's line, which changes several times a second).
+  setStatus(text, estimate = false) {
     this.status.textContent = text;
     this.scheduleDraw();
-    if (this.box.measure()) fit(this.node);
+    if (this.box.measure(estimate)) fit(this.node);
   }
 
   // Draw at the next animation frame, once however many messages arrive before it.
@@ -301,7 +309,7 @@ class SamplerChart {
 
   draw() {
     const canvas = this.canvas;
-    const width = Math.max(canvas.clientWidth, 50);
+    const width = this.width;
     const height = CHART_HEIGHT;
     const scale = window.devicePixelRatio || 1;
     if (canvas.width !== width * scale) canvas.width = width * scale;
