@@ -11,11 +11,14 @@ sees, in the classic canvas or (``vue=True``) in the "Vue nodes" mode:
 * inputs that ComfyUI's validation refuses (a size no model draws on the sampler, a family
   template's checkpoint that is not installed on the loader) show the pack's message in red on
   that node without a click, and the next run clears it;
-* the same AR run takes no longer from the page than over the API (the page's chart and
-  ComfyUI's progress bar hear at most 4 messages a second);
+* the same AR run takes no longer from the page than over the API (the page's chart hears at
+  most 4 messages a second, ComfyUI's progress bar 2);
 * removing the sampler disconnects the chart's ResizeObserver;
 * a workflow saved with the first release's sampler loads and runs;
 * every template fits a 1600 x 1000 screen at 75% zoom, with its notes beside the nodes;
+* every template that runs on the embedded model, once its run has finished (previews, charts and
+  summaries shown), seen at the zoom it opens with: no two nodes overlap, and the comparison's
+  measured speed-up is drawn large enough to read on screen;
 * on the current ComfyUI, the template browser shows the pack's category, every template's title
   and thumbnail, and loads a template from its card.
 
@@ -37,6 +40,7 @@ import argparse
 import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +49,10 @@ from comfyui_harness import REPO, ComfyServer  # noqa: E402
 CHROMIUM = "/usr/bin/chromium"
 TEMPLATES = REPO / "workflows"
 TEXT_TO_IMAGE = TEMPLATES / "SJD text to image (reference).json"
+COMPARISON = TEMPLATES / "SJD AR vs AUTO (reference).json"
+# The templates that run on the embedded model (the others need a family's checkpoint).
+RUNNABLE = (TEXT_TO_IMAGE, COMPARISON)
+SPEED_UP_PX = 12  # the least height on screen of the comparison's measured speed-up
 OLD_WORKFLOW = REPO / "tests" / "old_workflows" / "first_release_text_to_image.json"
 SCREENSHOTS = REPO / "tests" / "screenshots"
 SCREEN = (1600, 1000)
@@ -158,6 +166,106 @@ def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
             # (last step named, steps brought) per progress message; the chart's bars when the
             # finished run's own series arrived
             "messages": seen["messages"], "bars_before_finish": seen["before_finish"]}
+
+
+def record_sheet_draws(page) -> None:
+    """From now on, note where the classic canvas draws each diagnostics sheet on screen
+    (``window.sjdDrawn``: image address -> natural size and screen box, in CSS pixels)."""
+    page.evaluate("""() => {
+        if (window.sjdDrawn) return;
+        window.sjdDrawn = {};
+        const drawImage = CanvasRenderingContext2D.prototype.drawImage;
+        CanvasRenderingContext2D.prototype.drawImage = function (image, ...args) {
+            if (image?.src?.includes("sjd_diagnostics") && args.length >= 4) {
+                const [x, y, w, h] = args.length === 4 ? args : args.slice(4);
+                const m = this.getTransform();
+                const canvas = this.canvas.getBoundingClientRect();
+                const ratio = window.devicePixelRatio || 1;
+                window.sjdDrawn[image.src] = {
+                    natural: [image.naturalWidth, image.naturalHeight],
+                    screen: [canvas.left + (m.a * x + m.e) / ratio, canvas.top + (m.d * y + m.f) / ratio,
+                             (m.a * w) / ratio, (m.d * h) / ratio],
+                };
+            }
+            return drawImage.call(this, image, ...args);
+        };
+    }""")
+
+
+def wait_until_idle(server, timeout: float) -> None:
+    """Wait until ComfyUI's queue is empty: the last run's messages have all been sent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{server.url}/queue", timeout=30) as answer:
+            queue_now = json.loads(answer.read())
+        if not queue_now["queue_running"] and not queue_now["queue_pending"]:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"ComfyUI's queue was not empty after {timeout} s")
+
+
+def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -> dict:
+    """A template's run has been queued and its images shown: once the queue is empty, view the
+    graph at the template's saved zoom and offset. Returns the nodes' boxes (graph units; in the
+    Vue-nodes mode also their DOM boxes on screen), the pairs that overlap, and for each
+    Diagnostics sheet that shows a speed-up, that text's height and box on screen."""
+    wait_until_idle(server, timeout)
+    view = graph["extra"]["ds"]
+    page.evaluate(f"""() => {{
+        const ds = window.app.canvas.ds;
+        ds.scale = {view['scale']};
+        ds.offset = {json.dumps(view['offset'])};
+        window.app.canvas.setDirty(true, true);
+    }}""")
+    page.wait_for_timeout(2000)
+    diagnostics = [n["id"] for n in graph["nodes"] if n["type"] == "SJDDiagnostics"]
+    seen = page.evaluate(f"""() => {{
+        const graphBoxes = window.app.graph._nodes.map((n) => [n.id, n.type, [...n.getBounding()]]);
+        const domBoxes = Array.from(document.querySelectorAll("[data-node-id]")).map((e) => {{
+            const b = e.getBoundingClientRect();
+            return [e.dataset.nodeId, [b.left, b.top, b.width, b.height]];
+        }});
+        const sheets = {json.dumps(diagnostics)}.map((id) => {{
+            const layout = window.app.nodeOutputs[String(id)]?.sjd_sheet?.[0] ?? null;
+            const file = window.app.nodeOutputs[String(id)]?.images?.[0]?.filename ?? "";
+            const image = Array.from(document.querySelectorAll(`[data-node-id="${{id}}"] img`))
+                .find((img) => img.src.includes(file) && img.naturalWidth > 0);
+            let shown = null;
+            if (image) {{
+                const b = image.getBoundingClientRect();
+                shown = [b.left, b.top, b.width, b.height];
+            }} else {{
+                const drawn = Object.entries(window.sjdDrawn ?? {{}})
+                    .filter(([src]) => file && src.includes(file)).map(([, d]) => d);
+                if (drawn.length) shown = drawn[drawn.length - 1].screen;
+            }}
+            return {{ id, layout, shown }};
+        }});
+        return {{ scale: window.app.canvas.ds.scale, graphBoxes, domBoxes, sheets }};
+    }}""")
+    page.screenshot(path=str(out))
+    overlap = lambda a, b: (a[0] < b[0] + b[2] and b[0] < a[0] + a[2]  # noqa: E731
+                            and a[1] < b[1] + b[3] and b[1] < a[1] + a[3])
+    pairs = lambda boxes: [(a[0], b[0]) for i, a in enumerate(boxes)  # noqa: E731
+                           for b in boxes[i + 1:] if overlap(a[-1], b[-1])]
+    result = {"scale": seen["scale"], "boxes": seen["graphBoxes"],
+              "overlapping": pairs(seen["graphBoxes"]), "speed_up": []}
+    if vue:
+        result["dom_boxes"] = seen["domBoxes"]
+        result["dom_overlapping"] = pairs(seen["domBoxes"])
+    for sheet in seen["sheets"]:
+        layout, shown = sheet["layout"], sheet["shown"]
+        if not layout or not layout.get("speed_up_box"):
+            continue
+        if shown is None:
+            result["speed_up"].append({"node": sheet["id"], "shown": None})
+            continue
+        scale = shown[2] / layout["width"]
+        x, y, w, h = layout["speed_up_box"]
+        result["speed_up"].append({
+            "node": sheet["id"], "shown": shown, "text_px": round(layout["speed_up_px"] * scale, 1),
+            "box": [shown[0] + x * scale, shown[1] + y * scale, w * scale, h * scale]})
+    return result
 
 
 def show_node(page, node_id: int) -> None:
@@ -275,13 +383,25 @@ def api_versus_page(page, server, sampler_id: int, save_id: int, pairs: int = 3,
     shows the sampler (queued there, done when the page shows the image), in ``pairs`` pairs run
     back to back; every run has a new seed, so none is served from the cache. Returns the times,
     their medians and the median of each pair's page/API ratio. A noisy machine can slow any one
-    run: when that median is over ``limit``, ``extra_pairs`` more pairs are measured."""
+    run: when that median is over ``limit``, ``extra_pairs`` more pairs are measured. Also counts
+    the sampler's chart messages and ComfyUI's progress bar updates the page hears in each run
+    from the page (``heard``: [seconds, chart messages, bar updates])."""
     for name, value in (("mode", "AR"), ("control_after_generate", "fixed"),
                         ("resolution", "default")):
         set_widget(page, sampler_id, name, value)
     show_node(page, sampler_id)
+    page.evaluate(f"""async () => {{
+        const {{ api }} = await import("/scripts/api.js");
+        window.sjdHeard = {{ chart: 0, bar: 0 }};
+        api.addEventListener("sjd.progress", ({{ detail }}) => {{
+            if (String(detail?.node) === "{sampler_id}") window.sjdHeard.chart += 1;
+        }});
+        api.addEventListener("progress", ({{ detail }}) => {{
+            if (String(detail?.node) === "{sampler_id}") window.sjdHeard.bar += 1;
+        }});
+    }}""")
     prompt = page.evaluate("async () => (await window.app.graphToPrompt()).output")
-    times: dict = {"api": [], "page": []}
+    times: dict = {"api": [], "page": [], "heard": []}
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     ratio = lambda: median([p / a for a, p in zip(times["api"], times["page"])])  # noqa: E731
     seeds = iter(range(first_seed, first_seed + 2 * (pairs + extra_pairs), 2))
@@ -297,11 +417,15 @@ def api_versus_page(page, server, sampler_id: int, save_id: int, pairs: int = 3,
         assert entry["status"]["status_str"] == "success", entry["status"]
         set_widget(page, sampler_id, "seed", seed + 1)
         before = shown_image(page, save_id)
+        page.evaluate("() => { window.sjdHeard.chart = 0; window.sjdHeard.bar = 0; }")
         started = time.monotonic()
         queue(page)
         wait_for_image(page, save_id, timeout, before)
         times["page"].append(time.monotonic() - started)
-    return {**{k: [round(t, 2) for t in v] for k, v in times.items()},
+        heard = page.evaluate("window.sjdHeard")
+        times["heard"].append([times["page"][-1], heard["chart"], heard["bar"]])
+    return {"api": [round(t, 2) for t in times["api"]],
+            "page": [round(t, 2) for t in times["page"]], "heard": times["heard"],
             "api_median": round(median(times["api"]), 2),
             "page_median": round(median(times["page"]), 2), "ratio_median": round(ratio(), 2)}
 
@@ -401,6 +525,9 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
             page.locator(f"[data-node-id='{sampler_id}'] .sjd-chart").wait_for(timeout=30_000)
             seen["vue_nodes"] = page.locator("[data-node-id]").count()
         seen["run"] = run_with_chart(page, sampler_id, save_id, timeout)
+        seen["after_run"] = {TEXT_TO_IMAGE.stem: after_run(
+            page, server, graph, vue, out_dir / f"{tag}_after_run_{TEXT_TO_IMAGE.stem}.png",
+            timeout)}
         show_node(page, sampler_id)
         page.screenshot(path=str(out_dir / f"{tag}_sampler.png"))
         seen["summary"] = summary_shown(page, sampler_id)
@@ -423,13 +550,17 @@ def check(server: ComfyServer, vue: bool, out_dir: Path = SCREENSHOTS, timeout: 
         seen["old_workflow_nodes"] = page.evaluate("window.app.graph._nodes.map((n) => n.type)"
                                                    ".sort()")
 
-        diagnostics = json.loads((TEMPLATES / "SJD AR vs AUTO (reference).json").read_text())
+        diagnostics = json.loads(COMPARISON.read_text())
         load(page, diagnostics)
         diagnostics_id = [n["id"] for n in diagnostics["nodes"] if n["type"] == "SJDDiagnostics"]
         before = {node_id: shown_image(page, node_id) for node_id in diagnostics_id}
+        record_sheet_draws(page)
         queue(page)
         for node_id in diagnostics_id:
             wait_for_image(page, node_id, timeout, before[node_id])
+        seen["after_run"][COMPARISON.stem] = after_run(
+            page, server, diagnostics, vue, out_dir / f"{tag}_after_run_{COMPARISON.stem}.png",
+            timeout)
         show_node(page, diagnostics_id[-1])
         page.screenshot(path=str(out_dir / f"{tag}_diagnostics.png"))
         seen["diagnostics_text"] = page.evaluate(

@@ -7,6 +7,7 @@ in tests/screenshots/ (ignored by git).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from browser_check import (BAD_PROMPT, PAGE_OVER_API, SCREEN, SCREENSHOTS,  # noqa: E402
-                           STALE_RESOLUTION, TEMPLATES, check)
+                           SPEED_UP_PX, STALE_RESOLUTION, TEMPLATES, check)
 from comfyui_current import CurrentComfyServer  # noqa: E402
 from comfyui_harness import ComfyServer  # noqa: E402
 
@@ -124,6 +125,13 @@ def test_the_page_does_not_slow_the_run(seen):
     assert timing["ratio_median"] <= PAGE_OVER_API, timing
 
 
+def test_the_page_hears_a_few_progress_messages_a_second_not_one_a_step(seen):
+    # an AR run takes 256 steps; the page hears at most 4 chart messages and 2 progress bar
+    # updates a second (and the last step)
+    for seconds, chart, bar in seen[0]["timing"]["heard"]:
+        assert 1 <= chart <= 4 * seconds + 2 and 1 <= bar <= 2 * seconds + 2, seen[0]["timing"]
+
+
 def test_removing_the_sampler_disconnects_its_resize_observer(seen):
     assert seen[0]["observer_disconnects"] == 1
 
@@ -155,6 +163,37 @@ def test_every_template_is_readable_at_75_percent_with_notes_beside_the_nodes(se
             assert left >= LEFT and top >= TOP, (name, box)
             assert left + width <= SCREEN[0] - MARGIN and top + height <= SCREEN[1] - MARGIN, \
                 (name, box)
+
+
+def runnable_templates() -> list[str]:
+    """The templates whose loader picks the embedded model (the others need a checkpoint)."""
+    names = []
+    for path in sorted(TEMPLATES.glob("*.json")):
+        graph = json.loads(path.read_text())
+        models = [n["widgets_values"][0] for n in graph["nodes"] if n["type"] == "SJDModelLoader"]
+        if models == ["reference (embedded)"]:
+            names.append(path.stem)
+    return names
+
+
+def test_every_runnable_template_reads_after_its_run_at_its_own_zoom(seen):
+    after = seen[0]["after_run"]
+    assert sorted(after) == runnable_templates() and len(after) == 2
+    for name, layout in after.items():
+        graph = json.loads((TEMPLATES / f"{name}.json").read_text())
+        assert layout["scale"] == graph["extra"]["ds"]["scale"], name
+        assert len(layout["boxes"]) == len(graph["nodes"]), name
+        # previews, charts and summaries have grown the nodes; still none covers another
+        assert layout["overlapping"] == [], (name, layout["boxes"])
+        if seen[1]:
+            assert len(layout["dom_boxes"]) == len(graph["nodes"]), name
+            assert layout["dom_overlapping"] == [], (name, layout["dom_boxes"])
+        diagnostics = sum(n["type"] == "SJDDiagnostics" for n in graph["nodes"])
+        assert len(layout["speed_up"]) == diagnostics, (name, layout["speed_up"])
+        for speed_up in layout["speed_up"]:
+            assert speed_up["shown"] is not None, (name, speed_up)
+            assert speed_up["text_px"] >= SPEED_UP_PX, (name, speed_up)
+            assert on_screen(speed_up["box"]), (name, speed_up)
 
 
 def test_template_browser_shows_titles_thumbnails_and_loads_a_card(seen):
