@@ -83,6 +83,7 @@ function makeBox(node, name, parts, onWidth) {
     serialize: false,
     getMinHeight: () => height,
     getHeight: () => height, // the 2024 frontend's preferred height (Vue nodes follow the content)
+    getMaxHeight: () => height, // the newer canvas gives spare room to images, not to the box
   });
   let width = null;
   box.observer = new ResizeObserver(() => {
