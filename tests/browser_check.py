@@ -231,9 +231,11 @@ def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -
             const image = Array.from(document.querySelectorAll(`[data-node-id="${{id}}"] img`))
                 .find((img) => img.src.includes(file) && img.naturalWidth > 0);
             let shown = null;
-            if (image) {{
+            if (image) {{  // drawn inside its box at the largest size that fits (contain)
                 const b = image.getBoundingClientRect();
-                shown = [b.left, b.top, b.width, b.height];
+                const scale = Math.min(b.width / image.naturalWidth, b.height / image.naturalHeight);
+                const [w, h] = [image.naturalWidth * scale, image.naturalHeight * scale];
+                shown = [b.left + (b.width - w) / 2, b.top + (b.height - h) / 2, w, h];
             }} else {{
                 const drawn = Object.entries(window.sjdDrawn ?? {{}})
                     .filter(([src]) => file && src.includes(file)).map(([, d]) => d);
