@@ -74,33 +74,21 @@ def mass_units(probabilities: torch.Tensor) -> torch.Tensor:
     return (as_type(probabilities, torch.float32) / MASS_UNIT).to(torch.int64)
 
 
-_SORTED_BY_TORCH = 4096  # codes over all distributions: more are sorted by numpy on a CPU
-
-
 def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:
     """The fewest units top-p keeps, per distribution (..., 1), of masses in ``mass_units``: a
     code is kept when the codes with more units than it hold fewer than ``top_p`` of the mass.
 
     So the kept codes are the smallest set of most likely codes whose mass reaches ``top_p``;
     codes tied at its edge are all kept, and since every sum is exact, no order among equals
-    and no order of summation can change the result. The units are sorted by torch for a few
-    distributions, as on any device; for more of them on a CPU by numpy, whose sort of 34 rows
-    of 512 counts takes less than half the time ``torch.sort`` takes there in the decoding loop
-    (for one row torch costs less, numpy's calls being dearer). The floor is then read off the
-    sorted units by :func:`_floor_of_sorted`, in torch either way.
+    and no order of summation can change the result (see :func:`_floor_of_sorted`).
     """
-    if units.device.type == "cpu" and units.numel() > _SORTED_BY_TORCH:
-        ascending = torch.from_numpy(np.sort(units.numpy(), axis=-1))
-    else:
-        ascending = torch.sort(units, dim=-1).values
+    ascending = torch.sort(units, dim=-1).values
     return _floor_of_sorted(ascending, math.ceil(top_p / MASS_UNIT))
 
 
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k``-th largest of ``values`` along the last axis (..., 1), equal values counted
-    apart. By torch's topk on every device: on a CPU, in the decoding loop (right after the
-    network), numpy's partition took twice as long, or more for VP's distributions, most of
-    whose codes are 0 after top-p (so many equal values slow a partition down)."""
+    apart."""
     return torch.topk(values, k, dim=-1).values[..., -1:]
 
 
