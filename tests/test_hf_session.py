@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -9,7 +10,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
 from sjd_core.models.session.kv_store import KVStore
-from sjd_core.models.session.mask_buffer import MaskBuffer
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
 GRID = (3, 4)  # 3 rows of 4 codes
@@ -221,28 +221,52 @@ def test_rows_keep_different_counts(llama):
         cached = [c + k for c, k in zip(cached, take)]
 
 
+def assert_mask_holds_the_cache(session, cached) -> None:
+    """Between forwards every query row of row ``r`` sees exactly the columns the row holds (its
+    context but the padding in front, then its cached slots) and none past them: the network
+    reads the whole capacity, so stale columns must stay blocked."""
+    committed = np.array(cached) + 1
+    if session.guided:
+        committed = np.concatenate([committed, committed])
+    lengths = session.layout.cached_length(committed)
+    columns = np.arange(session.mask.capacity)
+    held = (columns[None] < lengths[:, None]) & (columns[None] >= session._padding[:, None])
+    expected = torch.from_numpy(held)[:, None, None].expand_as(session.mask.buffer)
+    assert torch.equal(session.mask.buffer == 0, expected)
+
+
 @torch.no_grad()
-def test_single_nodes_fed_without_a_mask_then_rows_that_drift_apart(llama):
-    """Rows of equal length fed one node each attend without a mask; once a row falls behind, the
-    mask buffer opens what those forwards kept and the session stays exact."""
-    prompts = [[1, 5, 7, 2, 9], [3, 6, 6, 2, 9]]
+def test_the_mask_blocks_every_column_past_each_rows_length(llama):
+    """Rows in step fed one node each, rows that drift apart, windows partly kept, a probe thrown
+    away and plain autoregression's advance: after each, the mask opens exactly what every row
+    holds, and the logits stay exact."""
+    prompts = [[1, 5, 7, 2, 9], [3, 6, 2, 9]]  # the second context is padded at the front
     seqs = [CODES, CODES[::-1]]
     refs = [reference_logits(llama, p, seq, GRID[1]) for p, seq in zip(prompts, seqs)]
     session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts], None, GRID)
-    settled = []
-    settle_range = session.mask.settle_range
-    session.mask.settle_range = lambda *args: (settled.append(args[1:]), settle_range(*args))
     cached = [-1, -1]
-    for take in ([1, 1], [1, 1], [1, 1], [1, 0], [1, 1]):  # row 1 stays behind at the fourth step
-        out, _ = window_forward(session, seqs, cached, width=1)
+    assert_mask_holds_the_cache(session, cached)
+    for take, width in (([1, 1], 1), ([1, 1], 1), ([1, 0], 1), ([4, 2], 6), ([0, 0], 6),
+                        ([1, 3], 4)):
+        out, _ = window_forward(session, seqs, cached, width=width)
         for b in range(2):
-            torch.testing.assert_close(out[b, 0], refs[b][cached[b] + 1], atol=1e-5, rtol=1e-5)
-        keep_first(session, take, width=1)
+            n = min(width, 12 - cached[b])
+            torch.testing.assert_close(out[b, :n], refs[b][cached[b] + 1:cached[b] + 1 + n],
+                                       atol=1e-5, rtol=1e-5)
+        keep_first(session, take, width=width)
         cached = [c + k for c, k in zip(cached, take)]
-    assert settled == [(len(prompts[0]) - 1, len(prompts[0]) - 1 + 4)]  # once, when the rows drifted apart
-    out, _ = window_forward(session, seqs, cached, width=5)
-    for b in range(2):
-        torch.testing.assert_close(out[b], refs[b][cached[b] + 1:cached[b] + 6], atol=1e-5, rtol=1e-5)
+        assert_mask_holds_the_cache(session, cached)
+    assert cached == [7, 6]
+    window_forward(session, seqs, cached, width=1)
+    keep_first(session, [0, 1], width=1)
+    cached[1] += 1  # the rows are in step again: from the third advance on, the lean step
+    for _ in range(3):
+        codes = torch.tensor([seqs[b][cached[b]] for b in range(2)])
+        logits, _ = session.advance(codes, [c + 1 for c in cached])
+        for b in range(2):
+            torch.testing.assert_close(logits[b], refs[b][cached[b] + 1], atol=1e-5, rtol=1e-5)
+        cached = [c + 1 for c in cached]
+        assert_mask_holds_the_cache(session, cached)
 
 
 @torch.no_grad()
@@ -385,30 +409,12 @@ def test_bad_arguments_name_the_input(llama):
             session.retain(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
-def test_mask_slice_writes_equal_the_indexed_ones(dtype):
-    """With every row's tokens at the same columns the mask writes slices; the buffer ends as the
-    indexed writes leave it, for additive and boolean masks."""
-    rows, queries, capacity, first, n = 2, 6, 16, 5, 4
-    columns = (first + torch.arange(n)).expand(rows, 1, n)
-    buffers = []
-    for at in (None, first):
-        mask = MaskBuffer(torch.tensor([5, 3]), queries, capacity, dtype, torch.device("cpu"))
-        mask.write_block(columns, mask.values(torch.ones(n, n, dtype=torch.bool).tril())[None], at)
-        written = mask.buffer.clone()
-        mask.settle(columns, torch.tensor([2, 0]), at)
-        buffers.append((written, mask.buffer))
-    (indexed_block, indexed), (sliced_block, sliced) = buffers
-    assert not torch.equal(indexed_block, indexed)  # the settle changed something
-    assert torch.equal(sliced_block, indexed_block) and torch.equal(sliced, indexed)
-
-
 def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
     """Once every layer has written, the next plan puts the layers that share device, dtype and
     shape in one tensor; a compaction then moves their entries as per-layer copies would, and a
     layer of another dtype keeps its own buffer."""
     store = KVStore(rows=2, capacity=8)
-    store.plan(None, 3, first=0)
+    store.plan(torch.arange(3).expand(2, 3))
     written = []
     for layer, dtype in enumerate([torch.float32, torch.float32, torch.float64, torch.float32]):
         keys, values = torch.randn(2, 3, 3, 4, dtype=dtype), torch.randn(2, 3, 3, 4, dtype=dtype)
@@ -416,7 +422,7 @@ def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
         written.append((keys, values))
     before = [(k.clone(), v.clone()) for k, v in (store._views[layer] for layer in range(4))]
     assert len(store._groups) == 4
-    store.plan(None, 3, first=3)
+    store.plan(torch.arange(3, 6).expand(2, 3))
     assert sorted(group.shape[0] for group in store._groups) == [1, 3]
     same_kind = {store._views[layer][0].untyped_storage().data_ptr() for layer in (0, 1, 3)}
     assert len(same_kind) == 1

@@ -9,7 +9,7 @@ key/value cache, persistent attention mask, keep, retain):
 * every forward passes the backbone explicit ``position_ids`` and a 4D additive float mask
   (0 = attend, ``finfo(dtype).min`` = blocked), which transformers hands to the attention as it
   is, and a :class:`~transformers.Cache` whose layers write into the session's preallocated
-  buffers and read views of them;
+  buffers and attend over all of them (the mask blocks what a row does not hold);
 * the structural tokens (row ends) are inserted after the code nodes whose slot ends a grid row;
   a node's output is read at the last token fed for it, so the output of a code that ends a row
   is the model's prediction after the row-end token: the next row's first code.
@@ -94,7 +94,8 @@ class StoreCache(Cache):
     values into the store in place and attends to views of it.
 
     It has no transformers cache layers: the models here use a cache only through ``update``
-    (and ``get_seq_length`` when no positions are given, which the session always gives).
+    (and ``get_seq_length`` when no positions are given, which the session always gives: there
+    it is the columns every layer attends over, the whole capacity).
     """
 
     def __init__(self, store: KVStore) -> None:
@@ -106,7 +107,7 @@ class StoreCache(Cache):
         return self.store.update(layer_idx, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.store.width
+        return self.store.capacity
 
 
 class HFSession(SlotSession):
@@ -159,7 +160,7 @@ class HFSession(SlotSession):
             x = torch.where(fed.row_end[..., None], self._row_end, x)
         return x
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
              ) -> torch.Tensor:
         out = self.parts.backbone(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                   cache=self._cache, use_cache=True)

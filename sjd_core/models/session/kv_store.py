@@ -8,14 +8,15 @@ share a device, dtype and shape into one tensor ``(layers, 2, rows, heads, capac
 whose slices the layers then use, so that moving or selecting entries is one operation for all of
 them instead of one per layer.
 Row ``r`` holds its entries in columns ``0 .. length_r - 1``; columns past that hold stale but
-finite values that the attention mask blocks.
+finite values (zeros before their first write) that the attention mask blocks.
 
 Per forward the session says where the new entries go (``plan``: a column per row and fed token,
-rows may differ) and how many columns attention reads (``width``); each layer then writes its new
-entries in place (one slice copy when every row writes the same columns, an indexed write
-otherwise) and reads views of its buffers. ``compact`` moves entries within rows (keeping an
-accepted path). Both touch only the columns they are given, so their cost does not grow with the
-cached prefix; ``select_rows`` and ``reserve`` copy the whole cache once.
+rows may differ, as a tensor); each layer then writes its new entries in place with one indexed
+write and attends over its whole buffers, every column of the capacity, under the mask. So the
+shapes inside the network depend only on the fed shape (rows, tokens), never on how much is
+cached, and a compiled network needs one graph per fed shape. ``compact`` moves entries within
+rows (keeping an accepted path) and touches only the columns it is given; ``select_rows`` and
+``reserve`` copy the whole cache once.
 """
 
 from __future__ import annotations
@@ -32,41 +33,32 @@ class KVStore:
 
     def __init__(self, rows: int, capacity: int) -> None:
         self.rows, self.capacity = rows, capacity
-        self.width = 0
         # the storage: tensors (layers, 2, rows, heads, capacity, dim), and where each layer sits
         # in them (group, index; None before its first write)
         self._groups: list[torch.Tensor] = []
         self._places: list[tuple[int, int] | None] = []
         self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: keys, values
         self._columns: torch.Tensor | None = None
-        self._first: int | None = None  # where every row's new entries start, when rows agree
         self._apart = False  # whether some layer was allocated since the last join
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, columns: torch.Tensor | None, width: int, first: int | None = None) -> None:
-        """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]``; layers then
-        read columns ``0 .. width - 1``. ``first``: when every row writes columns ``first,
-        first + 1, ...`` (the caller knows it on the host), so that one slice takes the write
-        (``columns`` may then be None). Layers first written by the forward before are joined
-        here."""
+    def plan(self, columns: torch.Tensor) -> None:
+        """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]`` (rows,
+        tokens). Layers first written by the forward before are joined here."""
         if self._apart:
             self.join()
-        self._columns, self.width, self._first = columns, width, first
+        self._columns = columns
         self._write_indices.clear()
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a layer's new (rows, heads, tokens, dim) keys and values; return its cached views."""
+        """Write a layer's new (rows, heads, tokens, dim) keys and values at the planned columns;
+        return its whole (rows, heads, capacity, dim) buffers."""
         cached_keys, cached_values = self._layer(layer, keys, values)
-        if self._first is not None:
-            written = slice(self._first, self._first + keys.shape[2])
-            cached_keys[:, :, written] = keys
-            cached_values[:, :, written] = values
-            return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
         rows, columns = self._write_index(keys.device)
         cached_keys[rows, :, columns] = keys.transpose(1, 2)
         cached_values[rows, :, columns] = values.transpose(1, 2)
-        return cached_keys[:, :, : self.width], cached_values[:, :, : self.width]
+        return cached_keys, cached_values
 
     def join(self) -> None:
         """Move the layers held apart that share a device, dtype and shape into one tensor.

@@ -3,12 +3,12 @@
 One buffer ``(rows, 1, query_rows, capacity)`` in the mask's dtype: additive floats (0 = attend,
 the dtype's most negative value = blocked, what transformers' eager and sdpa attention both
 read) or booleans (True = attend). Between forwards every query row of row ``r`` is the same:
-columns ``0 .. length_r - 1`` open, the rest blocked. A forward writes the visibility among its
-fed tokens into their columns (``write_block``) and attends through a view of the buffer
-(``view``); ``settle`` then opens the columns of the kept tokens and blocks the others, for every
-query row. Each of these touches only the fed tokens' columns, never the cached prefix.
-Forwards that attend without a mask (see the session) leave their columns blocked here;
-``settle_range`` opens such a run of columns in one step before the buffer is used again.
+columns ``0 .. length_r - 1`` open (but a padded context's front), every column from
+``length_r`` on blocked, whatever stale entries the cache holds there. A forward writes the
+visibility among its fed tokens into their columns (``write_block``) and attends through the
+buffer's first query rows at the full capacity (``view``); ``settle`` then opens the columns of
+the kept tokens and blocks the others, for every query row. Each of these writes only the fed
+tokens' columns, through an index tensor, never the cached prefix.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class MaskBuffer:
                  device: torch.device, padding: torch.Tensor | None = None) -> None:
         self.dtype, self.device = dtype, device
         self._blocked = False if dtype == torch.bool else torch.finfo(dtype).min
-        self._open = True if dtype == torch.bool else 0.0
         self._choices = (torch.tensor(0, dtype=dtype, device=device),
                          torch.tensor(self._blocked, dtype=dtype, device=device))
         columns = torch.arange(capacity, device=device)
@@ -53,44 +52,22 @@ class MaskBuffer:
             return allowed
         return torch.where(allowed, *self._choices)
 
-    def write_block(self, columns: torch.Tensor, block: torch.Tensor, first: int | None = None
-                    ) -> None:
+    def write_block(self, columns: torch.Tensor, block: torch.Tensor) -> None:
         """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
-        (rows or 1, n, n) mask values say what each of them sees of the others. ``first``: the
-        column where every row's tokens start, when the host knows it (a slice is written
-        instead of indexed places, which costs less)."""
+        (rows or 1, n, n) mask values say what each of them sees of the others."""
         rows, _, n = columns.shape
-        if first is not None:
-            self._by_row[:, :n, first:first + n] = block
-            return
-        # a scatter along the columns: on a CPU about a fifth of the time of an indexed write
         self._by_row[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
 
-    def view(self, tokens: int, width: int) -> torch.Tensor:
-        """The (rows, 1, tokens, width) mask of a forward feeding ``tokens`` tokens."""
-        return self.buffer[:, :, :tokens, :width]
+    def view(self, tokens: int) -> torch.Tensor:
+        """The (rows, 1, tokens, capacity) mask of a forward feeding ``tokens`` tokens."""
+        return self.buffer[:, :, :tokens]
 
-    def settle(self, columns: torch.Tensor, kept: torch.Tensor, first: int | None = None) -> None:
+    def settle(self, columns: torch.Tensor, kept: torch.Tensor) -> None:
         """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
-        later query of row ``r``; the rest are blocked. ``first`` as in ``write_block``."""
-        n = columns.shape[2]
+        later query of row ``r``; the rest are blocked."""
+        n, queries = columns.shape[2], self.query_rows
         values = self.values(self._offsets(n) < kept.view(-1, 1, 1))
-        if first is not None:
-            self._by_row[:, :, first:first + n] = values
-        else:
-            queries = self.query_rows
-            self._by_row.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
-
-    def open_columns(self, start: int, stop: int) -> None:
-        """Open columns ``start .. stop - 1`` of every row to every query row (tokens that every
-        row keeps, as plain autoregression's)."""
-        self.buffer[:, :, :, start:stop] = self._open
-
-    def settle_range(self, lengths: torch.Tensor, start: int, stop: int) -> None:
-        """Settle columns ``start .. stop - 1`` of every row at once: open below the row's length
-        ``lengths`` (rows,), blocked from it on, for every query row."""
-        columns = torch.arange(start, stop, device=self.device)
-        self.buffer[:, :, :, start:stop] = self.values(columns < lengths[:, None])[:, None, None, :]
+        self._by_row.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""

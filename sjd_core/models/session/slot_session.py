@@ -14,6 +14,11 @@ caller, the tree's depths are read once per tree (the engine builds one per gene
 node needs no read). Its own work is a fixed number of tensor operations on the fed tokens only,
 whatever the length of the cached prefix. Plain autoregression's ``advance`` (one code per row,
 kept at once) skips most of it while the rows are in step.
+
+Static shapes: inside the network every tensor's shape depends only on the fed shape (rows,
+tokens). Every forward attends through the mask buffer read at the cache's full capacity (columns
+past a row's cached length are blocked there), and new entries go to the cache through index
+tensors. So a compiled network would need one graph per fed shape.
 """
 
 from __future__ import annotations
@@ -41,10 +46,8 @@ class Fed:
     """The device-side layout of the last forward (see :class:`.token_layout.FedLayout`)."""
 
     nodes: int
-    masked: bool  # whether the forward attended through the mask buffer
     path_tokens: int  # the most tokens a row can keep: a path, one node per depth
     moved: slice | None  # the kept columns that may have to move (None: none ever moves)
-    first: int | None  # the column where every row's tokens start, when the rows are in step
     one_image: bool  # rows in step that keep the same nodes: one image (and its uncond row)
     positions: torch.Tensor
     columns: torch.Tensor  # (R, tokens)
@@ -83,8 +86,8 @@ class SlotSession(DecodingSession):
     prefix, start: per row, the length of its context in the cache (its tokens but the slot -1
         token) and the position of its slot -1 token (see :class:`.token_layout.GridLayout`). A
         shorter context is padded at the front, so that every row's image starts at the same
-        cache column: rows that have committed as many slots are then in step (one slice per
-        cache write, no layout for plain autoregression), whatever their prompts' lengths.
+        cache column: rows that have committed as many slots are then in step (no layout for
+        plain autoregression), whatever their prompts' lengths.
     max_nodes: the most nodes one forward feeds; the cache is sized once for it. A forward that
         feeds more enlarges the cache (one copy) instead of failing.
     mask_dtype: the attention mask's dtype (the model's dtype for additive masks, or bool).
@@ -101,7 +104,6 @@ class SlotSession(DecodingSession):
         self.device = torch.device(device)
         context = np.asarray(prefix, dtype=np.int64)
         self._padding = context.max() - context  # columns in front of each row's context
-        self._padded = bool(self._padding.any())  # then every forward attends through the mask
         self.layout = GridLayout(grid, row_end, np.full_like(context, context.max()), start)
         query_rows = self.layout.tokens_per_forward(max_nodes)
         capacity = self.layout.capacity(query_rows)
@@ -112,7 +114,6 @@ class SlotSession(DecodingSession):
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
-        self._unsettled_from: int | None = None  # first column forwards without a mask left unsettled
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
@@ -124,11 +125,11 @@ class SlotSession(DecodingSession):
         ``fed`` None: codes only (no slot -1 token, no row end), as an advance feeds them."""
         raise NotImplementedError
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
              ) -> torch.Tensor:
         """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...).
 
-        ``mask`` (R, 1, n, width) says which cached columns each token sees; None: all of them.
+        ``mask`` (R, 1, n, capacity) says which cache columns each token sees.
         """
         raise NotImplementedError
 
@@ -148,11 +149,12 @@ class SlotSession(DecodingSession):
             return
         padding = torch.from_numpy(self._padding).to(self.device)[:, None]
         order = torch.arange(n, device=self.device)
-        key, query = order[None, None, :], order[None, :, None]
+        capacity = self.store.capacity
+        key, query = torch.arange(capacity, device=self.device)[None, None, :], order[None, :, None]
         allowed = (key <= query) & (key >= padding[..., None])
-        allowed |= torch.eye(n, dtype=torch.bool, device=self.device)  # padding sees itself
+        allowed |= torch.eye(n, capacity, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
-        self.store.plan(None, n, first=0)
+        self.store.plan(order.expand(len(self._padding), n))
         self._run(inputs, positions, self.mask.values(allowed)[:, None])
 
     def context_columns(self, row: int, length: int) -> slice:
@@ -179,11 +181,12 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        self.store.plan(fed.columns, plan.width, fed.first)
-        mask = self._attention_mask(plan, fed, tree_block)
+        self.store.plan(fed.columns)
+        self.mask.write_block(fed.column_index, tree_block if fed.visible is None
+                              else self.mask.values(fed.visible))
         if mark is not None:
             mark()
-        hidden = self._run(inputs, fed.positions, mask)
+        hidden = self._run(inputs, fed.positions, self.mask.view(plan.tokens))
         if fed.outputs is not None:
             index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, index)
@@ -195,25 +198,6 @@ class SlotSession(DecodingSession):
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
-
-    def _attention_mask(self, plan: FedLayout, fed: Fed, tree_block: torch.Tensor) -> torch.Tensor | None:
-        """The forward's mask: a view of the mask buffer, or None when every token sees every
-        cached column (one token per row, rows of equal length, as in plain autoregression).
-
-        Forwards without a mask leave the buffer as it was (keep does not settle their columns);
-        the next forward that needs it first opens what those forwards' rows kept.
-        """
-        if fed.masked:
-            if self._unsettled_from is not None:
-                self.mask.settle_range(to_device(torch.from_numpy(plan.lengths), self.device),
-                                       self._unsettled_from, int(plan.lengths.max()))
-                self._unsettled_from = None
-            self.mask.write_block(fed.column_index, tree_block if fed.visible is None
-                                  else self.mask.values(fed.visible), fed.first)
-            return self.mask.view(plan.tokens, plan.width)
-        if self._unsettled_from is None:
-            self._unsettled_from = plan.width - 1
-        return None
 
     def _check_inputs(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
                       committed: Sequence[int]) -> np.ndarray:
@@ -284,10 +268,8 @@ class SlotSession(DecodingSession):
                           outputs=plan.outputs, visible=plan.visible)
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
-        masked = plan.tokens > 1 or plan.lengths.min() + 1 < plan.width or self._padded
-        first = int(plan.lengths[0]) if plan.lengths.min() == plan.lengths.max() else None
-        return Fed(plan.slots.shape[1], masked, path_tokens, moved, first,
-                   first is not None and self.batch_size == 1, tensors["positions"],
+        one_image = self.batch_size == 1 and plan.lengths.min() == plan.lengths.max()
+        return Fed(plan.slots.shape[1], path_tokens, moved, one_image, tensors["positions"],
                    columns, columns[:, None], tensors["slots"],
                    *(tensors.get(name) for name in _OPTIONAL))
 
@@ -310,9 +292,9 @@ class SlotSession(DecodingSession):
 
         The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
         is due, for the slot -1 token, when the rows are not in step (their committed counts
-        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no
-        layout, no check on the device, no mask where no context is padded, one cache slice per
-        layer; ``committed`` (a list) must then be the last advance's plus one in every row, and
+        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no layout, no check
+        on the device, the new column opened in the mask before the network runs (the code is
+        kept); ``committed`` (a list) must then be the last advance's plus one in every row, and
         nothing else is read from it. After an advance, committed counts that do not continue it
         are refused.
         """
@@ -340,21 +322,16 @@ class SlotSession(DecodingSession):
     def _advance_in_step(self, codes: torch.Tensor, committed: int,
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``advance`` when every row has committed ``committed`` slots (so holds as many cache
-        columns) and the code fed ends no grid row (host integers only, no layout; a mask only
-        where some context is padded)."""
+        columns) and the code fed ends no grid row (host integers only, no layout)."""
         first = int(self.layout.cached_length(committed)[0])
         positions = self._start_positions + int(self.layout.code_offset(committed - 1))
+        columns = torch.full((len(self.layout.prefix), 1), first, device=self.device)
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
-        self.store.plan(None, first + 1, first)
-        mask = None
-        if self._padded:  # the padding stays hidden: attend through the mask, the new column open
-            self.mask.open_columns(first, first + 1)
-            mask = self.mask.view(1, first + 1)
-        elif self._unsettled_from is None:
-            self._unsettled_from = first
+        self.store.plan(columns)
+        self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
             mark()
-        logits = self._logits(self._run(inputs, positions, mask))[:, 0]
+        logits = self._logits(self._run(inputs, positions, self.mask.view(1)))[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one
@@ -399,8 +376,7 @@ class SlotSession(DecodingSession):
                 self.store.compact_columns(source[0], target[0])
             else:
                 self.store.compact(source, target)
-        if fed.masked:
-            self.mask.settle(fed.column_index, kept, fed.first)
+        self.mask.settle(fed.column_index, kept)
         self._kept = kept
 
     def _keep_rows(self) -> None:

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FedLayout", "GridLayout"]
+__all__ = ["CAPACITY_STEP", "FedLayout", "GridLayout"]
+
+# Cache capacities are multiples of this many columns, so that contexts of different lengths give
+# the same cache shape, and a compiled network the same graphs.
+CAPACITY_STEP = 64
 
 
 @dataclass
@@ -35,7 +39,7 @@ class FedLayout:
     """
 
     tokens: int
-    width: int  # cache columns the attention reads: to the end of the longest row's fed tokens
+    width: int  # cache columns the forward needs: to the end of the longest row's fed tokens
     slots: np.ndarray  # (R, T) each node's slot, clamped to the grid
     positions: np.ndarray  # (R, tokens) sequence position of each token
     columns: np.ndarray  # (R, tokens) cache column each token is written to
@@ -71,9 +75,11 @@ class GridLayout:
         return self.prefix + committed
 
     def capacity(self, tokens_per_forward: int) -> int:
-        """Columns that hold the longest context, the whole image and one forward after it."""
+        """Columns that hold the longest context, the whole image and one forward after it,
+        rounded up to a multiple of ``CAPACITY_STEP``."""
         image = self.slots + (self.height if self.has_row_end else 0)
-        return int(self.prefix.max()) + image + tokens_per_forward
+        needed = int(self.prefix.max()) + image + tokens_per_forward
+        return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
     def tokens_per_forward(self, nodes: int) -> int:
         """The most tokens ``nodes`` nodes can take: each may bring a row end."""
