@@ -15,6 +15,8 @@ from .widgets import (AS_MODE, SWITCH_VALUES, acceleration_option_fields, field_
 
 ACCELERATION_NODE = "SJD Acceleration Options"
 SAMPLING_NODE = "SJD Sampling Options"
+# settings added after workflows were saved: optional inputs, so those workflows still validate
+OPTIONAL_ACCELERATION = ("compile",)
 
 
 class SJDAccelerationOptions:
@@ -24,8 +26,8 @@ class SJDAccelerationOptions:
                    "start, adaptive continuation (AC), proactive drafting (PD: K candidates, "
                    "depth D), verification prediction (VP: N rises, top-k, decay), the LOSSY "
                    "relaxed acceptance rules LANTERN and GSD with their knobs, and the "
-                   "cost-aware shape choice of AUTO (adaptive_shape). Switches left 'as mode' "
-                   "follow the sampler's mode.")
+                   "cost-aware shape choice of AUTO (adaptive_shape), and whether the network "
+                   "runs compiled (compile). Switches left 'as mode' follow the sampler's mode.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "options"
     RETURN_TYPES = (ACCELERATION_TYPE,)
@@ -34,8 +36,11 @@ class SJDAccelerationOptions:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
+        names = acceleration_option_fields()
         return {"required": {name: field_widget(AccelerationSettings, name, switch=True)
-                             for name in acceleration_option_fields()}}
+                             for name in names if name not in OPTIONAL_ACCELERATION},
+                "optional": {name: field_widget(AccelerationSettings, name)
+                             for name in OPTIONAL_ACCELERATION}}
 
     def options(self, **widgets: object) -> tuple[AccelerationOptions]:
         """Keep every setting; a switch left 'as mode' is left out for the preset to decide."""

@@ -139,7 +139,7 @@ def test_every_size_a_family_offers_is_a_resolution_choice(tmp_path):
 def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     fields = list(AccelerationSettings.__dataclass_fields__)
     inputs = AccelerationOptions.INPUT_TYPES()["required"]
-    assert list(inputs) == [name for name in fields if name != "window"]
+    assert list(inputs) == [name for name in fields if name not in ("window", "compile")]
     lossy = [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
     assert len(lossy) == 6
     assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)
@@ -161,6 +161,16 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     (choice,) = SamplingOptions().options("custom", guidance=5.0, temperature=1.0, top_k=0,
                                           top_p=1.0)
     assert choice.custom.guidance_schedule == "constant" and choice.custom.guidance == 5.0
+
+
+def test_compile_is_an_optional_switch_that_saved_workflows_leave_off():
+    (kind, options), = AccelerationOptions.INPUT_TYPES()["optional"].values()
+    assert list(AccelerationOptions.INPUT_TYPES()["optional"]) == ["compile"]
+    assert (kind, options["default"]) == ("BOOLEAN", False)
+    assert "torch.compile" in options["tooltip"] and "Same images" in options["tooltip"]
+    assert acceleration().settings("auto", None).compile is False  # saved before it existed
+    assert acceleration(compile=True).settings("ar", None) == AccelerationSettings.preset(
+        "ar", compile=True)
 
 
 def test_lantern_knobs_can_stay_scaled_to_the_codebook():

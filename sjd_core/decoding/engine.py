@@ -341,6 +341,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     marks: list = []  # the recorder's clock, once the decoder exists
     max_nodes = largest_shape(acceleration)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
+    compiled = session.compile_network() if acceleration.compile else None
     plan: Plan = make_plan(acceleration, model, request, sampling, device,
                            lambda i: marks[0].seconds_between(4 * i, 4 * i + 3),
                            session.grid_height * session.grid_width)
@@ -367,6 +368,9 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
             "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
+    if compiled is not None:
+        meta["compile"] = compiled.report()
+        meta["warnings"] += [meta["compile"]["failure"]] if meta["compile"]["failure"] else []
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
     return GenerationResult(decoder.grids.reshape(-1, decoder.height, decoder.width).cpu(), trace)

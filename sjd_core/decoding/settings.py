@@ -143,6 +143,10 @@ class AccelerationSettings:
     shape_cost: what ``adaptive_shape`` spends per committed code: ``time``, as measured on this
         machine, or ``passes``: every shape of at most ``window`` nodes costs one forward pass (a
         device with room to spare), so the window and the tree share that node budget. Lossless.
+    compile: run the network compiled with ``torch.compile`` (CUDA graphs on CUDA, inductor
+        elsewhere), one graph per fed shape, at most 8 per generation (later shapes run
+        uncompiled). The first generation pays the compile time. Where compiling fails the run
+        goes on uncompiled, with a warning. The codes are the same either way.
     """
 
     window: int = 16
@@ -164,6 +168,7 @@ class AccelerationSettings:
     adaptive_shape: bool = False
     adaptive_tree: bool = False
     shape_cost: ShapeCost = "time"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
@@ -222,7 +227,7 @@ class AccelerationSettings:
         for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
             _no_bool(name, getattr(self, name), "an integer")
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
-                     "adaptive_shape", "adaptive_tree"):
+                     "adaptive_shape", "adaptive_tree", "compile"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
         if self.proactive_drafting:

@@ -41,6 +41,10 @@ Batches shrink: when some images are finished the engine calls ``retain(rows)`` 
 rows that are still decoding; from then on ``batch_size`` is ``len(rows)`` and row ``i`` of every
 tensor means old row ``rows[i]``.
 
+Compiling: with the ``compile`` setting on, the engine calls the session's ``compile_network()``
+before the first forward; the session then runs its network compiled, and the object it returns
+tells the trace how that went (``report()``: shapes compiled, shapes run uncompiled, a failure).
+
 Warnings: a session may carry ``warnings``, a list of sentences about how the request was read
 (for example a prompt that named nothing the model reads); the engine copies them into the
 trace, and the run's summary shows them.
@@ -154,6 +158,11 @@ class DecodingSession(Protocol):
 
     def retain(self, rows: Sequence[int]) -> None:
         """Go on with only these batch rows (increasing indices into the current rows)."""
+        ...
+
+    def compile_network(self) -> object:
+        """Run the network of later forwards compiled; an object whose ``report()`` is a dict for
+        the trace (see the module docstring)."""
         ...
 
 

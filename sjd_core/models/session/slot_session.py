@@ -18,7 +18,7 @@ kept at once) skips most of it while the rows are in step.
 Static shapes: inside the network every tensor's shape depends only on the fed shape (rows,
 tokens). Every forward attends through the mask buffer read at the cache's full capacity (columns
 past a row's cached length are blocked there), and new entries go to the cache through index
-tensors. So a compiled network would need one graph per fed shape.
+tensors. So a compiled network (``compile_network``) needs one graph per fed shape.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from ...messages import quote
 from ..protocol import DecodingSession
+from .compiled import CompiledNetwork
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
@@ -117,6 +118,7 @@ class SlotSession(DecodingSession):
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
+        self._network = self._run  # the network call of forward and advance (compile_network)
         self._keep_rows()
 
     # ------------------------------------------------------------------ what a model adds
@@ -139,6 +141,12 @@ class SlotSession(DecodingSession):
 
     def _select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` of the model's own per-row state."""
+
+    def compile_network(self) -> CompiledNetwork:
+        """Run the network of every later forward and advance compiled, one graph per fed shape
+        (the prefill stays eager: it runs once); returns what tells how compiling went."""
+        self._network = CompiledNetwork(self._run, self.device)
+        return self._network
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, inputs: torch.Tensor) -> None:
@@ -186,7 +194,7 @@ class SlotSession(DecodingSession):
                               else self.mask.values(fed.visible))
         if mark is not None:
             mark()
-        hidden = self._run(inputs, fed.positions, self.mask.view(plan.tokens))
+        hidden = self._network(inputs, fed.positions, self.mask.view(plan.tokens))
         if fed.outputs is not None:
             index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, index)
@@ -331,7 +339,7 @@ class SlotSession(DecodingSession):
         self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
             mark()
-        logits = self._logits(self._run(inputs, positions, self.mask.view(1)))[:, 0]
+        logits = self._logits(self._network(inputs, positions, self.mask.view(1)))[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one

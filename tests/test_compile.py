@@ -1,0 +1,129 @@
+"""The ``compile`` setting: the network compiled per fed shape draws the same codes as eager.
+
+Inductor compiles on a CPU take seconds per shape, so the model is the engine tests' small
+synthetic one with one layer, and the modes are few: AR, PAC+VP, and AUTO choosing its shapes by
+forward passes (by time its choice would follow the compiled speed, and the codes with it).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sjd_core.decoding.engine import generate
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.decoding.trace import summary_text
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.session import compiled
+from sjd_core.models.session.compiled import MAX_COMPILED_SHAPES, CompiledNetwork
+from sjd_core.models.synthetic import SyntheticModel
+
+SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
+MODES = {"ar": AccelerationSettings.preset("ar"),
+         "pac+vp": AccelerationSettings.preset("pac+vp"),
+         "auto": AccelerationSettings.preset("auto", shape_cost="passes")}
+
+
+@pytest.fixture(scope="module")
+def model() -> SyntheticModel:
+    return SyntheticModel(codebook_size=32, grid=(6, 6), width=32, layers=1, heads=2,
+                          sharpness=2.0, seed=5)
+
+
+def run(model: SyntheticModel, settings: AccelerationSettings, batch: int = 1):
+    return generate(model, GenerationRequest(prompt="a red fox", batch_size=batch), SAMPLING,
+                    settings, seed=3)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode):
+    eager = run(model, MODES[mode])
+    settings = replace(MODES[mode], compile=True)
+    compiled_run = run(model, settings)
+    assert torch.equal(compiled_run.codes, eager.codes)
+    report = compiled_run.trace.meta["compile"]
+    assert report["failure"] is None and compiled_run.trace.summary()["warnings"] == []
+    assert 1 <= report["compiled_shapes"] <= MAX_COMPILED_SHAPES
+    assert "compile" not in eager.trace.meta
+
+
+def test_a_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):
+    def no_compiler(network, **options):
+        def fails(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore text")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    settings = AccelerationSettings.preset("pac+vp", compile=True)
+    result = run(model, settings)
+    assert torch.equal(result.codes, run(model, AccelerationSettings.preset("pac+vp")).codes)
+    warnings = result.trace.summary()["warnings"]
+    assert len(warnings) == 1
+    assert "torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler " \
+           "found)" in warnings[0] and "ran uncompiled" in warnings[0]
+    assert result.trace.meta["compile"]["compiled_shapes"] == 0
+    assert "WARNING: compile=True: torch.compile failed" in summary_text(result.trace.summary())
+
+
+def test_torch_compile_refused_at_once_runs_eagerly(monkeypatch):
+    def refused(network, **options):
+        raise RuntimeError("Dynamo is not supported on this Python")
+
+    monkeypatch.setattr(torch, "compile", refused)
+    network = CompiledNetwork(lambda x, p, m: x + 1, torch.device("cpu"))
+    assert torch.equal(network(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 1, 3, 4)),
+                       torch.ones(2, 3))
+    assert "Dynamo is not supported on this Python" in network.report()["failure"]
+
+
+def test_shapes_past_the_cap_run_eagerly(monkeypatch):
+    calls = {"compiled": 0, "eager": 0}
+
+    def eager(inputs, positions, mask):
+        calls["eager"] += 1
+        return inputs
+
+    def counted_compile(network, **options):
+        assert options == {"dynamic": False, "fullgraph": False, "mode": None}
+
+        def compiled_network(*args):
+            calls["compiled"] += 1
+            return network(*args)
+        return compiled_network
+
+    monkeypatch.setattr(torch, "compile", counted_compile)
+    network = CompiledNetwork(eager, torch.device("cpu"))
+    for tokens in [*range(1, MAX_COMPILED_SHAPES + 3), 1, MAX_COMPILED_SHAPES + 2]:
+        network(torch.zeros(2, tokens), torch.zeros(2, tokens), torch.zeros(2, 1, tokens, 40))
+    assert network.report() == {"compiled_shapes": MAX_COMPILED_SHAPES, "eager_shapes": 2,
+                                "failure": None}
+    assert calls["compiled"] == MAX_COMPILED_SHAPES + 1  # shape 1 again, compiled
+    assert calls["eager"] == MAX_COMPILED_SHAPES + 4  # inside the compiled ones, and 3 eager calls
+
+
+def test_cuda_captures_graphs_and_the_cpu_uses_inductors_default():
+    assert compiled.compile_mode(torch.device("cuda")) == "reduce-overhead"
+    assert compiled.compile_mode(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_compile_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=rf"compile={value!r} is not allowed: compile must be True "
+                                         "or False"):
+        AccelerationSettings(compile=value)
+
+
+def test_past_the_graphs_torch_keeps_per_function_the_run_warns(monkeypatch):
+    """Torch would run the network uncompiled without a word once it holds too many graphs of
+    it; the run says so instead."""
+    monkeypatch.setattr(compiled, "PROCESS_GRAPHS", 1)
+
+    def doubled(inputs, positions, mask):
+        return inputs * 2
+
+    network = CompiledNetwork(doubled, torch.device("cpu"))
+    for tokens in (1, 2):
+        out = network(torch.ones(2, tokens), torch.zeros(2, tokens), torch.zeros(2, 1, tokens, 8))
+        assert torch.equal(out, torch.full((2, tokens), 2.0))
+    assert network.shapes == {((2, 1), (2, 1), (2, 1, 1, 8))}
+    assert "FailOnRecompileLimitHit" in network.report()["failure"]
