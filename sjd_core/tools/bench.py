@@ -4,13 +4,16 @@
     python -m sjd_core.tools.bench --model synthetic --images 1      # a random 48x48 model
     python -m sjd_core.tools.bench --threads 1 --batch 4 --json bench.json
     python -m sjd_core.tools.bench --cache-scaling --threads 1       # the session's own cost
+    python -m sjd_core.tools.bench --threads 1 --compile             # compiled, and eager AR
 
 For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
 slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
 speed-up against plain autoregression (AR), step compression and the share of the time spent
 outside the network. On the reference model transformers' own ``generate()`` (with its
 classifier-free guidance, temperature and top-p: the same target distribution) runs too, as an
-outside reference; every speed-up is against the faster of the two ARs. A progress bar with ETA
+outside reference; every speed-up is against the faster of the ARs. With ``--compile`` every mode
+runs its network compiled, after one untimed first image per mode whose seconds (compiling
+included) are printed, and AR also runs uncompiled (``AR eager``). A progress bar with ETA
 follows each image; a bad setting prints one line and exits with code 2. ``--cache-scaling``
 measures the decoding session's own cost instead (see :mod:`.session_bench`). ``measure`` and
 ``format_table`` are shared with the reference-model benchmark.
@@ -23,7 +26,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..messages import quote
@@ -47,6 +50,7 @@ MODES: dict[str, AccelerationSettings] = {
     "auto": AccelerationSettings.preset("auto"),
 }
 GENERATE = "transformers generate()"
+EAGER_AR = "AR eager"  # with --compile: plain autoregression uncompiled, a baseline too
 COLUMNS = ["mode", "NFE/image", "s/image", "speed-up", "step compr.", "outside net"]
 
 
@@ -174,9 +178,26 @@ def run(model: ImageTokenModel, modes: dict[str, AccelerationSettings],
     return times
 
 
+def compile_first_images(model: ImageTokenModel, modes: dict[str, AccelerationSettings],
+                         sampling: SamplingSettings, prompt: str, batch: int, seed: int) -> None:
+    """One untimed batch per compiled mode, so that the timed images do not pay for compiling;
+    prints each one's seconds (compiling included) and how its compiling went."""
+    from ..models.protocol import GenerationRequest
+
+    for name, acceleration in modes.items():
+        if not acceleration.compile:
+            continue
+        result, seconds = timed(model, GenerationRequest(prompt=prompt, batch_size=batch),
+                                sampling, acceleration, seed)
+        report = result.trace.meta["compile"]
+        print(f"{name} first compiled image: {seconds:.1f} s ({report['compiled_shapes']} "
+              f"shape(s) compiled, {report['eager_shapes']} uncompiled)"
+              + (f"; WARNING: {report['failure']}" if report["failure"] else ""), flush=True)
+
+
 def summarise(times: dict[str, ModeTimes], slots: int, batch: int) -> list[dict]:
     """One record per mode; speed-ups against the faster AR (ours or generate's), by medians."""
-    baselines = [statistics.median(times[name].seconds) for name in ("AR", GENERATE)
+    baselines = [statistics.median(times[name].seconds) for name in ("AR", EAGER_AR, GENERATE)
                  if name in times]
     baseline = min(baselines)
     records = []
@@ -239,6 +260,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=non_negative_int, default=0,
                         help="CPU threads for torch (default 0: the usable cores, at most 4); 1 "
                              "keeps timings steady on a machine that is busy with other work")
+    parser.add_argument("--compile", action="store_true",
+                        help="run every mode's network compiled (torch.compile), plus AR "
+                             "uncompiled as a baseline; prints each mode's first image, which "
+                             "compiles, before timing")
     parser.add_argument("--cache-scaling", action="store_true",
                         help="measure the session's time outside the network per iteration at a "
                              "16x16 and a 64x64 grid instead of comparing modes")
@@ -294,12 +319,17 @@ def _run(args: argparse.Namespace) -> list[dict]:
         sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: MODES[name] for name in args.modes.split(",")}
+    if args.compile:
+        modes = {name: replace(settings, compile=True) for name, settings in modes.items()}
+        modes[EAGER_AR] = MODES["AR"]
     for acceleration in modes.values():  # before any mode (or generate()) runs a batch
         check_batch(model, GenerationRequest(prompt=prompts[0], batch_size=args.batch), sampling,
                     acceleration)
     with_generate = getattr(model, "family", "") == "reference"
     print(f"{args.model} model, {device}, {threads} torch CPU thread(s), {sampling}, "
           f"{args.images} batch(es) of {args.batch} per mode", flush=True)
+    if args.compile:
+        compile_first_images(model, modes, sampling, prompts[0], args.batch, args.seed)
     times = run(model, modes, sampling, prompts, args.batch, args.seed, with_generate,
                 progress=lambda line: print(line, flush=True))
     height, width = model.grid_for(None)

@@ -13,8 +13,9 @@ and prints forward passes and wall-clock time of both modes and the speed-up (``
 AR once and prints no comparison). Lossless modes draw from the same distribution as AR, not the
 same sample: the two images of one seed differ. A progress bar with ETA shows each batch; the
 torch thread count is printed (``--threads``, default: the usable cores, at most 4), so printed
-timings can be repeated. Mistakes (an unknown prompt, a bad setting) print one line and exit
-with code 2.
+timings can be repeated. ``--compile`` runs the network of both modes compiled with
+``torch.compile``; an untimed warm-up pays the compile time. Mistakes (an unknown prompt, a bad
+setting) print one line and exit with code 2.
 
 torch and the models are imported after the arguments are read, so ``--help`` answers at once.
 """
@@ -80,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=int, default=0,
                         help=f"pixel scale of the written images (default: up to about "
                              f"{PREVIEW_PIXELS} px per image)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the network compiled with torch.compile (the mode and the AR "
+                             "baseline alike); the untimed warm-up pays the compile time")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the AR run (no speed-up is printed)")
     parser.add_argument("--threads", type=int, default=0,
@@ -145,16 +149,19 @@ def _run(args: argparse.Namespace) -> dict:
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
     model = load_model(args.model or WEIGHTS_DIR, device=args.device)
     sampling = sampling_settings(model, args)
-    fast = AccelerationSettings.preset(args.mode)
+    fast = AccelerationSettings.preset(args.mode, compile=args.compile)
     if fast.window > 1 and args.window != 0:
-        fast = AccelerationSettings.preset(args.mode, window=args.window)
-    baseline = AccelerationSettings.preset("ar")
+        fast = AccelerationSettings.preset(args.mode, window=args.window, compile=args.compile)
+    baseline = AccelerationSettings.preset("ar", compile=args.compile)
     compare = not args.no_baseline and fast != baseline
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
-    # Warm-up (one-time allocations, lazy initialisation) so neither timed mode pays for it.
-    generate(model, GenerationRequest(prompt=args.prompt[0], guidance=sampling.guidance),
-             sampling, fast, args.seed)
+    # Warm-up (one-time allocations, lazy initialisation, compiling the batch's shapes) so no
+    # timed run pays for it.
+    warm_up = requests[0] if args.compile else GenerationRequest(prompt=args.prompt[0],
+                                                                 guidance=sampling.guidance)
+    for warmed in [fast] + ([baseline] if compare and args.compile else []):
+        generate(model, warm_up, sampling, warmed, args.seed)
 
     images, first = [], None
     totals = {"fast": [0.0, 0.0], "ar": [0.0, 0.0], "generate": [0.0, 0.0]}  # seconds, passes
@@ -196,6 +203,8 @@ def _run(args: argparse.Namespace) -> dict:
     print(f"{fast.mode_name}: {totals['fast'][1]:.0f} forward passes, {totals['fast'][0]:.2f} s "
           f"for {batches} image(s) of {summary['slots_per_image']} codes "
           f"(window {fast.window}, {sampling})")
+    if result.trace.meta.get("compile", {}).get("failure"):
+        print(f"WARNING: {result.trace.meta['compile']['failure']}")
     if len(summary["shapes"]) > 1:
         from ..decoding.trace import shape_counts_text
 
