@@ -435,3 +435,23 @@ def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
         for row, taken in enumerate([[2, 0], [1, 2]]):
             assert torch.equal(cached_keys[row, :, :2], keys[row, :, taken])
             assert torch.equal(cached_values[row, :, :2], values[row, :, taken])
+
+
+def test_a_tree_with_row_ends_is_fed_in_at_most_three_token_counts():
+    """Forwards that feed row ends are padded to a count fixed per tree (the most row ends its
+    nodes can bring inside the image, twice its nodes at the image's end), so that a compiled
+    network sees few shapes; padding tokens are never real."""
+    from sjd_core.decoding.drafting import DraftTree
+    from sjd_core.decoding.settings import AccelerationSettings
+    from sjd_core.models.session.token_layout import GridLayout
+
+    tree = DraftTree.for_settings(AccelerationSettings.preset("pac", pd_candidates=4, pd_depth=3),
+                                  torch.device("cpu"))
+    depth, ancestors = np.asarray(tree.depth), tree.host_ancestors
+    layout = GridLayout((4, 20), True, [5, 5], [5, 5])
+    counts = set()
+    for committed in range(1, 80):
+        plan = layout.plan(np.array([committed, max(1, committed - 5)]), depth, ancestors)
+        counts.add(plan.tokens)
+    assert layout.padded_tokens(depth) == tree.size + 16  # the 16 nodes at depth 2
+    assert counts == {tree.size, tree.size + 16, 2 * tree.size}

@@ -12,8 +12,11 @@ row's prefix is as long), then one column per cached token in sequence order, so
 committed ``c`` slots holds slots ``-1 .. c - 2`` (and their row ends).
 
 A forward feeds, per row, each node's code token and, when the node's slot ends a grid row, the
-row end after it (its output is the prediction of the next row's first code). Rows with fewer row
-ends than the longest one are padded at the end with tokens that see only themselves.
+row end after it (its output is the prediction of the next row's first code). A forward that feeds
+row ends is padded at the end with tokens that see only themselves (and are never kept) to a
+token count fixed per tree: room for the most row ends its nodes can bring inside the image, or
+twice its nodes at the image's end, where every node past the last slot sits on that slot. So a
+tree is fed in at most three shapes, and a compiled network compiles few graphs.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class GridLayout:
         self.prefix = np.asarray(prefix, dtype=np.int64)
         self.start = np.asarray(start, dtype=np.int64)
         self._offsets: dict[int, np.ndarray] = {}
+        self._padded_tokens: dict[bytes, int] = {}  # per tree (its depths): see padded_tokens
 
     def cached_length(self, committed: np.ndarray) -> np.ndarray:
         """Columns a row holds after committing ``committed`` slots (slots -1 .. committed - 2)."""
@@ -120,7 +124,7 @@ class GridLayout:
         row_ends = {}
         ends = self.ends_row(slots)
         if ends.any():
-            row_ends = self._row_ends(ends, positions, ancestors)
+            row_ends = self._row_ends(ends, positions, ancestors, self.padded_tokens(depth))
             positions = row_ends.pop("positions")
         n = positions.shape[1]
         if n not in self._offsets:
@@ -128,15 +132,28 @@ class GridLayout:
         return FedLayout(tokens=n, width=int(lengths.max()) + n, slots=slots, positions=positions,
                          columns=lengths[:, None] + self._offsets[n], lengths=lengths, **row_ends)
 
+    def padded_tokens(self, depth: np.ndarray) -> int:
+        """Tokens of a forward of nodes at ``depth`` (T,) that feeds row ends, inside the image:
+        its nodes and the row ends of the most nodes whose slots can end a grid row together
+        (their depths are congruent modulo the grid's width)."""
+        key = depth.tobytes()
+        if key not in self._padded_tokens:
+            together = np.bincount(depth % self.width, minlength=self.width).max()
+            self._padded_tokens[key] = len(depth) + int(together)
+        return self._padded_tokens[key]
+
     @staticmethod
-    def _row_ends(ends: np.ndarray, code_positions: np.ndarray, ancestors: np.ndarray) -> dict:
+    def _row_ends(ends: np.ndarray, code_positions: np.ndarray, ancestors: np.ndarray,
+                  padded: int) -> dict:
         """The fields of a layout in which every node whose slot ends a grid row (``ends``) has
-        a row-end token right after its code."""
+        a row-end token right after its code, padded to ``padded`` tokens (to twice the nodes
+        where more are needed, at the image's end)."""
         rows, nodes = ends.shape
         per_node = 1 + ends.astype(np.int64)
         after = per_node.cumsum(1)  # one past each node's last token
         first = after - per_node  # each node's code token
-        tokens = int(after[:, -1].max())
+        needed = int(after[:, -1].max())
+        tokens = padded if needed <= padded else 2 * nodes
         row_index = np.arange(rows)[:, None]
         token_node = np.zeros((rows, tokens), dtype=np.int64)
         real = np.zeros((rows, tokens), dtype=bool)
