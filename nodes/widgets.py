@@ -89,8 +89,9 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
     "compile": ("Run the network compiled with torch.compile (CUDA graphs on CUDA, inductor on "
                 "the CPU), one graph per shape fed, at most 8 per run. The first run pays the "
                 "compile time (tens of seconds or more); if compiling fails the run goes on "
-                "uncompiled with a warning in the summary. Same images either way.", None, None,
-                None),
+                "uncompiled with a warning in the summary. Lossless: the logits differ from "
+                "uncompiled ones only by float rounding, so a draw may flip on a long image and "
+                "the rest of it differ, from the same distribution.", None, None, None),
     "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
                  "unconditional pass.", 0.0, 30.0, 0.1),
     "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),

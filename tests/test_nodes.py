@@ -167,7 +167,7 @@ def test_compile_is_an_optional_switch_that_saved_workflows_leave_off():
     (kind, options), = AccelerationOptions.INPUT_TYPES()["optional"].values()
     assert list(AccelerationOptions.INPUT_TYPES()["optional"]) == ["compile"]
     assert (kind, options["default"]) == ("BOOLEAN", False)
-    assert "torch.compile" in options["tooltip"] and "Same images" in options["tooltip"]
+    assert "torch.compile" in options["tooltip"] and "Lossless" in options["tooltip"]
     assert acceleration().settings("auto", None).compile is False  # saved before it existed
     assert acceleration(compile=True).settings("ar", None) == AccelerationSettings.preset(
         "ar", compile=True)

@@ -40,8 +40,8 @@ def compile_mode(device: torch.device) -> str | None:
 def _failure(error: Exception) -> str:
     """The warning for a run whose compiling failed with ``error``."""
     return (f"compile=True: torch.compile failed ({type(error).__name__}: {first_line(error)}), "
-            "so the network ran uncompiled for the rest of this generation; the codes are the "
-            "same, only the speed differs")
+            "so the network ran uncompiled for the rest of this generation (the same "
+            "distribution, only slower)")
 
 
 class CompiledNetwork:
