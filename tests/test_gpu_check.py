@@ -14,25 +14,49 @@ pytestmark = pytest.mark.usefixtures("unchecked_draws")
 
 def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     out = tmp_path / "table.json"
-    assert gpu_check.main(["--tiny", "--iterations", "4", "--repeats", "1", "--json", str(out)]) == 0
+    assert gpu_check.main(["--tiny", "--warmup", "2", "--iterations", "3", "--profiled", "1",
+                           "--repeats", "1", "--json", str(out)]) == 0
     table = json.loads(out.read_text())
     printed = capsys.readouterr().out
-    assert list(table["forward_ms"]) == ["1 token", "16-node window", "34-node PAC tree",
-                                         "64-node window"]
-    assert all(ms > 0 for ms in table["forward_ms"].values())
-    runs = {run["mode"]: run for run in table["runs"]}
-    assert list(runs) == ["ar", "pac+vp", "auto"]
-    # plain autoregression commits exactly one code per iteration and reads nothing back
-    assert runs["ar"]["codes_per_iteration"] == 1.0
-    assert runs["ar"]["host_reads_per_iteration"] == 0.0
-    assert runs["pac+vp"]["host_reads_per_iteration"] == 1.0
-    assert runs["auto"]["host_reads_per_iteration"] <= 1.0
-    assert runs["pac+vp"]["codes_per_iteration"] >= 1.0
-    for run in runs.values():
-        assert run["ms_per_iteration"] > 0 and 0 < run["outside_share"] < 1
-        assert f"| {run['mode']} | {run['ms_per_iteration']:.2f} |" in printed
-    assert table["ar_ms_per_code"] == runs["ar"]["ms_per_iteration"]
+    forwards = [(f["nodes"], f["cache"]) for f in table["forwards"]]
+    assert forwards == [(nodes, fill) for fill in ("empty", "half", "full")
+                        for nodes in ("1 node", "16-node window", "34-node PAC tree",
+                                      "64-node window")]
+    cached = {f["cache"]: f["cached_codes"] for f in table["forwards"]}
+    assert cached == {"empty": 0, "half": (48 * 48 - 64) // 2, "full": 48 * 48 - 64}
+    for forward in table["forwards"]:
+        assert forward["host_ms"] > 0 and forward["busy_ms"] is None  # no device here
+    runs = {(run["mode"], run["compiled"]): run for run in table["runs"]}
+    assert list(runs) == [(mode, compiled) for mode in ("ar", "pac+vp", "auto")
+                          for compiled in (False, True)]
+    for (mode, _), run in runs.items():
+        # plain autoregression commits exactly one code per iteration and reads nothing back;
+        # the speculative modes read one value per iteration; nobody waits on a copy to the device
+        assert run["reads_per_iteration"] == {"ar": 0.0, "pac+vp": 1.0}.get(mode, run[
+            "reads_per_iteration"]) and run["reads_per_iteration"] <= 1.0
+        assert run["blocking_copies_per_iteration"] == 0.0
+        assert run["codes_per_iteration"] >= 1.0
+        assert 0 < run["host_ms_per_iteration"] <= run["ms_per_iteration"]
+        assert run["busy_ms_per_iteration"] is None and run["warmup_seconds"] > 0
+        assert f"| {mode} {'compiled' if run['compiled'] else 'eager'} | " \
+               f"{run['ms_per_iteration']:.2f} |" in printed
+    assert runs[("ar", False)]["codes_per_iteration"] == 1.0
+    assert runs[("ar", True)]["codes_per_iteration"] == 1.0
+    assert "codes per second against the faster" in printed
     assert table["peak_memory_gib"] is None  # no CUDA here
+
+
+def test_the_counters_see_reads_and_blocking_copies():
+    reads = gpu_check.HostReads()
+    x = torch.arange(4)
+    with reads:
+        x.tolist()
+        bool(x[0] > 0)
+        x.to("meta")  # host memory to a device, waited for
+        x.to("meta", non_blocking=True)  # not pinned: waited for too
+        torch.empty(4, device="meta").copy_(x)
+        x.to(torch.float32)  # stays on the host
+    assert reads.count == 2 and reads.blocking_copies == 3
 
 
 def test_without_cuda_the_full_check_says_how_to_run_the_smoke_test(capsys, monkeypatch):

@@ -6,14 +6,17 @@
 
 The model has Lumina-mGPT 7B's shape (32 layers, width 4096, the 65,536-token vocabulary with its
 8,192 image codes) with random weights, guidance on (a conditional and an unconditional row).
-Random weights say nothing about acceptance; the table measures costs:
+Random weights say nothing about acceptance; the table measures costs, and where they come from:
 
-* the network's time for 1 fed token against 16, 34 (the PAC tree) and 64 nodes;
-* plain autoregression (the lean step): milliseconds per code;
-* PAC+VP and auto: milliseconds per iteration and codes per iteration;
-* the share of each run's time spent outside the network, timed with the session's marks around
-  the network (CUDA events, no synchronisation);
-* host reads per iteration (every value read back from the device), and peak memory.
+* forwards of 1, 16, 34 (the PAC tree) and 64 nodes, with the cache empty, half and fully
+  filled with an image's codes: the host's time to dispatch one (wall-clock, no synchronisation)
+  and the device's busy time (the profiler's total of kernel time). A host time above the busy
+  time means the forward is bound by kernel launches, not by the device;
+* plain autoregression, PAC+VP and auto, each eager and compiled (``compile=True``: CUDA graphs
+  over a static cache on CUDA): per iteration the wall-clock, the host's time outside waiting on
+  reads, the device's busy time, codes, reads back to the host and blocking host-to-device
+  copies; and the seconds to the first measured iteration (which include compiling);
+* peak memory.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,7 +34,6 @@ from torch.overrides import TorchFunctionMode
 from ..decoding.drafting import DraftTree
 from ..decoding.engine import generate
 from ..decoding.settings import AccelerationSettings, SamplingSettings
-from ..decoding.trace import Clock
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
                                 synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
@@ -40,6 +41,9 @@ from ..models.vqgan import VQGANConfig, VQGANDecoder
 
 PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
 RESOLUTION = (768, 768)
+MODES = ("ar", "pac+vp", "auto")
+FILLS = {"empty": 0.0, "half": 0.5, "full": 1.0}  # share of the image's codes already cached
+FORWARD_NODES = 64  # the largest forward timed: a full cache leaves room for it
 
 
 @dataclass(frozen=True)
@@ -70,29 +74,66 @@ class _WordTokenizer:
 
 
 class HostReads(TorchFunctionMode):
-    """Counts tensor operations that read values back to the host (or depend on them).
+    """Counts tensor operations that read values back to the host (or depend on them), and
+    host-to-device copies the host waits for; sums the seconds spent in the reads (on a GPU, the
+    host waiting for the device).
 
-    numpy's view of a tensor counts only off the CPU: a CPU tensor's memory is the host's (the
-    CPU's top-p sorts there with numpy), and another device's cannot be viewed at all.
+    numpy's view of a tensor counts only off the CPU: a CPU tensor's memory is the host's, and
+    another device's cannot be viewed at all. A copy from the host does not block when it is
+    ``non_blocking`` from pinned memory.
     """
 
     READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
              "masked_select", "unique", "argwhere", "__len__"}
     VIEWS = {"numpy", "__array__"}
+    COPIES = {"to", "cuda", "copy_"}
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.blocking_copies = 0
+        self.read_seconds = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         boolean_index = name == "__getitem__" and any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:]))
         moves_to_host = name == "to" and any(str(a).startswith("cpu") for a in args[1:])
         viewed_off_the_cpu = name in self.VIEWS and args[0].device.type != "cpu"
+        if name in self.COPIES and _blocks_the_host(name, args, kwargs):
+            self.blocking_copies += 1
         if name in self.READS or boolean_index or moves_to_host or viewed_off_the_cpu:
             self.count += 1
-        return func(*args, **(kwargs or {}))
+            started = time.perf_counter()
+            result = func(*args, **kwargs)
+            self.read_seconds += time.perf_counter() - started
+            return result
+        return func(*args, **kwargs)
+
+
+def _blocks_the_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to``/``cuda``/``copy_`` moves host memory to a device and waits for it."""
+    if name == "copy_":
+        target, source = args[0], args[1]
+        device = target.device
+    else:
+        source = args[0]
+        device = kwargs.get("device")
+        if name == "cuda":
+            device = device if device is not None else "cuda"
+        for value in args[1:]:
+            if isinstance(value, (str, torch.device)):
+                device = value
+            elif isinstance(value, torch.Tensor):
+                device = value.device
+    if not isinstance(source, torch.Tensor) or source.device.type != "cpu" or device is None:
+        return False
+    if torch.device(device).type == "cpu":
+        return False
+    non_blocking = kwargs.get("non_blocking", False) or (name == "copy_" and len(args) > 2
+                                                        and bool(args[2]))
+    return not (non_blocking and source.is_pinned())
 
 
 def _flatten(items):
@@ -138,147 +179,188 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(model: ChameleonImageModel, tree: DraftTree, repeats: int) -> float:
-    """Median seconds of one guided forward (cond + uncond rows) feeding ``tree`` after the
-    prefill (each forward thrown away again)."""
+class _Busy:
+    """The device's busy time over a stretch of work: the profiler's total of kernel time on CUDA
+    (None elsewhere, where the host does the work itself)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.profiler = None
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profiler = profile(activities=[ProfilerActivity.CUDA])
+
+    def start(self) -> None:
+        if self.profiler is not None:
+            self.profiler.start()
+
+    def stop(self) -> float | None:
+        """Seconds of kernel time since ``start``."""
+        if self.profiler is None:
+            return None
+        self.profiler.stop()
+        kernels = [e for e in self.profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        return sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+
+
+def filled_session(model: ChameleonImageModel, fill: float):
+    """A guided session whose cache holds ``fill`` of the image's codes (random ones, fed as one
+    chain and kept), leaving room for a forward of :data:`FORWARD_NODES`; returns it and the
+    codes committed."""
     request = GenerationRequest(prompt=PROMPT, guidance=3.0, resolution=RESOLUTION,
-                                max_nodes=tree.size)
+                                max_nodes=FORWARD_NODES)
     session = model.start(request)
-    dev = model.device
-    codes = torch.randint(0, model.codebook_size, (1, tree.size), device=dev)
-    slots = (tree.depth - 1)[None]
-    keep_none = torch.zeros(1, tree.size, dtype=torch.bool, device=dev)
-    times = []
+    codes_per_image = session.grid_height * session.grid_width
+    committed = int(fill * (codes_per_image - FORWARD_NODES))
+    if committed:
+        chain = DraftTree.build(committed, (), model.device)
+        codes = torch.randint(0, model.codebook_size, (1, committed), device=model.device)
+        session.forward(codes, (chain.depth - 1)[None], chain.ancestors, [0])
+        session.keep(torch.ones(1, committed, dtype=torch.bool, device=model.device))
+    return session, committed
+
+
+def time_forward(model: ChameleonImageModel, session, committed: int, tree: DraftTree,
+                 repeats: int) -> dict:
+    """Median host milliseconds to dispatch one forward feeding ``tree`` after ``committed``
+    codes (no synchronisation), and the device's busy milliseconds per forward; each forward is
+    thrown away again."""
+    device = model.device
+    codes = torch.randint(0, model.codebook_size, (1, tree.size), device=device)
+    slots = (tree.depth - 1 + committed)[None]
+    keep_none = torch.zeros(1, tree.size, dtype=torch.bool, device=device)
+    host = []
     for _ in range(repeats + 1):  # the first call warms up
-        _sync(dev)
-        start = time.perf_counter()
-        session.forward(codes, slots, tree.ancestors, [0])
-        _sync(dev)
-        times.append(time.perf_counter() - start)
+        _sync(device)
+        started = time.perf_counter()
+        session.forward(codes, slots, tree.ancestors, [committed])
+        host.append(time.perf_counter() - started)
         session.keep(keep_none)
-    return statistics.median(times[1:])
-
-
-class _NetworkClock(Clock):
-    """Sums the network's time from the marks a session makes around it (no synchronisation:
-    CUDA events, read once at the end; perf_counter on the CPU)."""
-
-    def seconds(self) -> float:
-        pairs = list(zip(self.marks[::2], self.marks[1::2]))
-        if self.cuda:
-            return sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
-        return sum(b - a for a, b in pairs)
-
-
-class _Marked:
-    """The model, with each session's network marks also going to a :class:`_NetworkClock`."""
-
-    def __init__(self, model: ChameleonImageModel, clock: _NetworkClock) -> None:
-        self.model, self.clock = model, clock
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    def start(self, request: GenerationRequest):
-        session, clock = self.model.start(request), self.clock
-        forward, advance = session.forward, session.advance
-
-        def both(mark) -> Callable[[], None]:
-            def marks() -> None:
-                clock.mark()
-                if mark is not None:
-                    mark()
-            return marks
-
-        advancing = []  # an advance that takes forward + keep marks once, in advance
-
-        def marked_forward(codes, slots, ancestors, committed, mark=None):
-            return forward(codes, slots, ancestors, committed, mark if advancing else both(mark))
-
-        def marked_advance(codes, committed, mark=None):  # plain autoregression's step
-            advancing.append(True)
-            try:
-                return advance(codes, committed, both(mark))
-            finally:
-                advancing.pop()
-
-        session.forward, session.advance = marked_forward, marked_advance
-        return session
+    _sync(device)
+    busy = _Busy(device)
+    busy.start()
+    for _ in range(repeats):
+        session.forward(codes, slots, tree.ancestors, [committed])
+        session.keep(keep_none)
+    _sync(device)
+    busy_seconds = busy.stop()
+    return {"host_ms": 1e3 * statistics.median(host[1:]),
+            "busy_ms": None if busy_seconds is None else 1e3 * busy_seconds / repeats}
 
 
 class _Stop(Exception):
     pass
 
 
-def run_mode(model: ChameleonImageModel, preset: str, iterations: int) -> dict:
-    """``iterations`` engine iterations of ``preset`` (guided, 768 px) after the prefill: time
-    per iteration, codes per iteration, the share outside the network, host reads."""
-    clock = _NetworkClock(model.device)
-    marked, reads, seen = _Marked(model, clock), HostReads(), {}
+def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
+             iterations: int, profiled: int) -> dict:
+    """``preset`` (guided, 768 px), eager or compiled: after ``warmup`` iterations (compiling
+    happens there), ``iterations`` measured ones (wall-clock, host time outside waiting on reads,
+    codes, reads and blocking copies), then ``profiled`` ones under the profiler (device busy
+    time)."""
+    reads, busy, seen = HostReads(), _Busy(model.device), {}
+    device = model.device
 
-    def stop(report) -> None:
-        if report.iteration == 1:  # measured from here: prefill and first iteration done
-            _sync(model.device)
-            seen.update(start=time.perf_counter(), reads=reads.count, marks=len(clock.marks),
-                        committed=report.committed[0])
-        elif report.iteration == iterations + 1:
-            seen.update(committed_end=report.committed[0], reads_end=reads.count,
-                        marks_end=len(clock.marks))
+    def counts() -> dict:
+        return {"time": time.perf_counter(), "reads": reads.count,
+                "copies": reads.blocking_copies, "read_seconds": reads.read_seconds}
+
+    def step(report) -> None:
+        if report.iteration == warmup:
+            _sync(device)
+            seen.update(start=counts(), committed=report.committed[0],
+                        warmup_seconds=time.perf_counter() - seen["began"])
+        elif report.iteration == warmup + iterations:
+            seen.update(end=counts(), committed_end=report.committed[0])
+            _sync(device)
+            busy.start()
+        elif report.iteration == warmup + iterations + profiled:
+            _sync(device)
+            seen["busy_seconds"] = busy.stop()
             raise _Stop
 
     sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
+    settings = replace(AccelerationSettings.preset(preset), compile=compiled)
+    seen["began"] = time.perf_counter()
     try:
         with reads:
-            generate(marked, request, sampling, AccelerationSettings.preset(preset), seed=0,
-                     on_iteration=stop)
+            generate(model, request, sampling, settings, seed=0, on_iteration=step)
     except _Stop:
         pass
-    _sync(model.device)
-    loop = time.perf_counter() - seen["start"]
-    clock.marks = clock.marks[seen["marks"]:seen["marks_end"]]
-    network = clock.seconds()
-    return {"mode": preset, "iterations": iterations,
-            "ms_per_iteration": 1e3 * loop / iterations,
+    start, end = seen["start"], seen["end"]
+    wall = end["time"] - start["time"]
+    busy_seconds = seen["busy_seconds"]
+    return {"mode": preset, "compiled": compiled, "iterations": iterations,
+            "warmup_seconds": seen["warmup_seconds"],
+            "ms_per_iteration": 1e3 * wall / iterations,
+            "host_ms_per_iteration": 1e3 * (wall - end["read_seconds"] + start["read_seconds"])
+            / iterations,
+            "busy_ms_per_iteration": None if busy_seconds is None
+            else 1e3 * busy_seconds / profiled,
             "codes_per_iteration": (seen["committed_end"] - seen["committed"]) / iterations,
-            "outside_share": max(0.0, 1 - network / loop),
-            "host_reads_per_iteration": (seen["reads_end"] - seen["reads"]) / iterations}
+            "reads_per_iteration": (end["reads"] - start["reads"]) / iterations,
+            "blocking_copies_per_iteration": (end["copies"] - start["copies"]) / iterations}
 
 
-def measure(size: Size, device: torch.device, dtype: torch.dtype, iterations: int,
-            repeats: int) -> dict:
+def forward_shapes(device: torch.device) -> dict[str, DraftTree]:
+    return {"1 node": DraftTree.build(1, (), device),
+            "16-node window": DraftTree.build(16, (), device),
+            "34-node PAC tree": DraftTree.build(16, (4, 4), device),
+            "64-node window": DraftTree.build(FORWARD_NODES, (), device)}
+
+
+def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, iterations: int,
+            profiled: int, repeats: int) -> dict:
     """Every number of the table."""
     built = time.perf_counter()
     model = build_model(size, device, dtype)
     table = {"model": f"Lumina-mGPT layout, {size.layers} layers x {size.hidden}, "
                       f"{str(dtype).removeprefix('torch.')}, {device}, 768 px, guidance on",
-             "build_seconds": time.perf_counter() - built}
+             "build_seconds": time.perf_counter() - built, "forwards": []}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    shapes = {"1 token": DraftTree.build(1, (), device),
-              "16-node window": DraftTree.build(16, (), device),
-              "34-node PAC tree": DraftTree.build(16, (4, 4), device),
-              "64-node window": DraftTree.build(64, (), device)}
-    table["forward_ms"] = {name: 1e3 * time_forward(model, tree, repeats)
-                           for name, tree in shapes.items()}
-    table["runs"] = [run_mode(model, preset, iterations) for preset in ("ar", "pac+vp", "auto")]
-    table["ar_ms_per_code"] = table["runs"][0]["ms_per_iteration"]
+    for fill, share in FILLS.items():
+        session, committed = filled_session(model, share)
+        for name, tree in forward_shapes(device).items():
+            timed = time_forward(model, session, committed, tree, repeats)
+            table["forwards"].append({"nodes": name, "cache": fill, "cached_codes": committed,
+                                      **timed})
+        del session
+    table["runs"] = [run_mode(model, preset, compiled, warmup, iterations, profiled)
+                     for preset in MODES for compiled in (False, True)]
     table["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
                                 if device.type == "cuda" else None)
     return table
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_table(table: dict) -> str:
     lines = [f"model: {table['model']} (built in {table['build_seconds']:.1f} s)", "",
-             "| forward (network) | ms | x 1 token |", "| --- | ---: | ---: |"]
-    one = table["forward_ms"]["1 token"]
-    lines += [f"| {name} | {ms:.2f} | {ms / one:.2f} |" for name, ms in table["forward_ms"].items()]
-    lines += ["", "| mode | ms / iteration | codes / iteration | outside the network | "
-                  "host reads / iteration |", "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['mode']} | {r['ms_per_iteration']:.2f} | {r['codes_per_iteration']:.2f} | "
-              f"{100 * r['outside_share']:.1f}% | {r['host_reads_per_iteration']:.2f} |"
-              for r in table["runs"]]
-    lines += ["", f"plain autoregression: {table['ar_ms_per_code']:.2f} ms per code"]
+             "| forward | cache | host ms | device busy ms |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {f['nodes']} | {f['cache']} ({f['cached_codes']} codes) | {_ms(f['host_ms'])} | "
+              f"{_ms(f['busy_ms'])} |" for f in table["forwards"]]
+    lines += ["", "| mode | ms / iteration | host ms | device busy ms | codes / iteration | "
+                  "reads | blocking copies | s to first measured |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in table["runs"]:
+        name = f"{r['mode']} {'compiled' if r['compiled'] else 'eager'}"
+        lines.append(f"| {name} | {_ms(r['ms_per_iteration'])} | {_ms(r['host_ms_per_iteration'])} "
+                     f"| {_ms(r['busy_ms_per_iteration'])} | {r['codes_per_iteration']:.2f} | "
+                     f"{r['reads_per_iteration']:.2f} | {r['blocking_copies_per_iteration']:.2f} | "
+                     f"{r['warmup_seconds']:.1f} |")
+    ar = {r["compiled"]: r["ms_per_iteration"] for r in table["runs"] if r["mode"] == "ar"}
+    baseline = min(ar.values())
+    lines += ["", f"plain autoregression: {ar[False]:.2f} ms per code eager, {ar[True]:.2f} "
+                  f"compiled; codes per second against the faster ({baseline:.2f} ms):"]
+    for r in table["runs"]:
+        per_code = r["ms_per_iteration"] / max(r["codes_per_iteration"], 1e-9)
+        lines.append(f"  {r['mode']} {'compiled' if r['compiled'] else 'eager'}: "
+                     f"{baseline / per_code:.2f}x")
     if table["peak_memory_gib"] is not None:
         lines.append(f"peak memory: {table['peak_memory_gib']:.1f} GiB")
     return "\n".join(lines)
@@ -288,8 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.gpu_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy width on the CPU (a smoke test)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="iterations before measuring, compiling included (default 12 real, "
+                             "2 tiny)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="engine iterations per mode (default 48 real, 6 tiny)")
+                        help="measured iterations per mode (default 48 real, 4 tiny)")
+    parser.add_argument("--profiled", type=int, default=None,
+                        help="iterations per mode under the profiler (default 8 real, 1 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of each forward")
     parser.add_argument("--json", default=None, help="also write the table to this JSON file")
     args = parser.parse_args(argv)
@@ -301,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             print("No CUDA device: run with --tiny for the CPU smoke test.", file=sys.stderr)
             return 2
         device, dtype, size = torch.device("cuda"), torch.bfloat16, REAL
-    table = measure(size, device, dtype, args.iterations or (6 if args.tiny else 48),
+    table = measure(size, device, dtype, args.warmup or (2 if args.tiny else 12),
+                    args.iterations or (4 if args.tiny else 48),
+                    args.profiled or (1 if args.tiny else 8),
                     args.repeats or (2 if args.tiny else 10))
     print(format_table(table))
     if args.json:
