@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import (MIN_MASS, NEGLIGIBLE, as_type, flush_negligible, kth_largest, passes,
+from .sampling import (MIN_MASS, NEGLIGIBLE, flush_negligible, kth_largest, passes,
                        race_top, residual, sample)
 from .settings import AccelerationSettings
 
@@ -285,7 +285,7 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     tokens, q, source = _drafts_by_rule(rule, state, fill, canvas, uniforms)
     state.tokens = torch.where(fill, tokens, state.tokens)
     state.q = torch.where(fill[..., None], q, state.q)
-    state.source = as_type(torch.where(fill, source, state.source), torch.int8)
+    state.source = torch.where(fill, source, state.source).to(torch.int8)
 
 
 def _copies_from_above(rule: str, canvas: Canvas, first: int, window: int,

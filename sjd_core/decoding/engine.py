@@ -30,7 +30,7 @@ from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, 
     flat_rows, redraft, shift_window, take_rows
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
-from .sampling import IterationUniforms, RowRandom, as_type, exponential, process, sample
+from .sampling import IterationUniforms, RowRandom, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
 from .trace import Trace, TraceRecorder
 from .verify import BONUS, acceptance_rule, verify_tree
@@ -159,7 +159,7 @@ class _Decoder:
         offsets = torch.arange(window, device=self.device)
         count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)[:, None]  # (B, 1)
         tested = node_source.gather(1, verdict.drafted)
-        sources = as_type(torch.where(verdict.kinds == BONUS, NO_DRAFT, tested), torch.int8)
+        sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
         window_slots = self.committed[:, None] + offsets
         committing = offsets < count
         writes = self.row_start[:, None] + torch.where(committing, window_slots, self.slots)

@@ -37,7 +37,7 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     :meth:`.guidance.SlotGuidance.at` (a number, or float32 ``(..., 1)`` broadcast over the
     codebook); None means ``settings.guidance``, which only the constant schedule allows.
     """
-    logits = as_type(cond_logits, torch.float32)
+    logits = cond_logits.to(torch.float32)
     if uncond_logits is not None:
         if scale is None:
             if settings.guidance_schedule != "constant":
@@ -45,7 +45,7 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
                     f"guidance_schedule={settings.guidance_schedule!r} gives every slot its own "
                     "scale: process needs the scale of the slots (SlotGuidance.at), not None.")
             scale = settings.guidance
-        logits = torch.lerp(as_type(uncond_logits, torch.float32), logits, scale)
+        logits = torch.lerp(uncond_logits.to(torch.float32), logits, scale)
     if settings.temperature != 1.0:
         logits = logits / settings.temperature
     vocab = logits.shape[-1]
@@ -58,12 +58,6 @@ def process(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None,
     return flush_negligible(torch.softmax(logits, dim=-1))
 
 
-def as_type(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in ``dtype``; itself, without an operation, when it already is (in inference
-    mode even a conversion to the same type is dispatched, and costs as much as a small one)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
 MASS_UNIT = 2.0 ** -60  # top-p counts probability in whole units of this
 
 
@@ -71,7 +65,7 @@ def mass_units(probabilities: torch.Tensor) -> torch.Tensor:
     """Probabilities as whole ``MASS_UNIT`` s (int64, rounded down): sums of them are exact in
     any order, and a float32 probability of at least ``2**-37`` (7e-12) is counted exactly, so
     that a long tail of tiny probabilities keeps its mass (at most one unit lost per code)."""
-    return (as_type(probabilities, torch.float32) / MASS_UNIT).to(torch.int64)
+    return (probabilities.to(torch.float32) / MASS_UNIT).to(torch.int64)
 
 
 def nucleus_floor(units: torch.Tensor, top_p: float) -> torch.Tensor:

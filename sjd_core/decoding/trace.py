@@ -20,7 +20,6 @@ import torch
 from ..files import parse_json
 from ..messages import first_line, quote
 from .drafting import DRAFT_SOURCES
-from .sampling import as_type
 from .verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
 _NEVER = 2**31 - 1
@@ -167,16 +166,16 @@ class TraceRecorder:
             commit_iteration.scatter_(0, index, _iteration_of_each(commits, device))
             bonus = torch.tensor(BONUS, dtype=torch.int8, device=device)
             kinds = _joined([bonus.expand(r.index.numel()) if r.kinds is None
-                             else as_type(r.kinds, torch.int8) for r in commits])
+                             else r.kinds.to(torch.int8) for r in commits])
             forced = (_joined([r.top_mass for r in commits]) >= FORCED_MASS) & (kinds != RELAXED)
             kind.scatter_(0, index, torch.where(forced, FORCED, kinds))
             tested = [r for r in commits if r.probability is not None]
             if tested:
                 tested_index = _joined([r.index for r in tested])
-                probability.scatter_(0, tested_index, as_type(
-                    _joined([r.probability for r in tested]), torch.float32))
+                probability.scatter_(0, tested_index,
+                                     _joined([r.probability for r in tested]).to(torch.float32))
                 source.scatter_(0, tested_index,
-                                as_type(_joined([r.sources for r in tested]), torch.int8))
+                                _joined([r.sources for r in tested]).to(torch.int8))
         return {"entered": entered, "commit_iteration": commit_iteration, "kind": kind,
                 "probability": probability, "source": source}
 

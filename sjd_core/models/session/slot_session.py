@@ -23,7 +23,6 @@ tensors. So a compiled network (``compile_network``) needs one graph per fed sha
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,21 +60,6 @@ class Fed:
     row_end: torch.Tensor | None
     outputs: torch.Tensor | None
     visible: torch.Tensor | None
-
-
-def _without_grad(method: Callable) -> Callable:
-    """``torch.no_grad()`` around a session method, entered only where gradients are on: the
-    engine already decodes in inference mode, where the context would cost every forward and
-    keep a few microseconds of Python for nothing."""
-
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return method(*args, **kwargs)
-        with torch.no_grad():
-            return method(*args, **kwargs)
-
-    return run
 
 
 _OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
@@ -172,7 +156,7 @@ class SlotSession(DecodingSession):
         return slice(end - length, end)
 
     # ------------------------------------------------------------------ forward
-    @_without_grad
+    @torch.no_grad()
     def forward(self, codes: torch.Tensor, slots: torch.Tensor,
                 ancestors: torch.Tensor | np.ndarray,
                 committed: Sequence[int], mark: Callable[[], None] | None = None
@@ -292,7 +276,7 @@ class SlotSession(DecodingSession):
                             "its depth in the tree, and committed must grow by the nodes kept (a "
                             "path of the tree)")
 
-    @_without_grad
+    @torch.no_grad()
     def advance(self, codes: torch.Tensor, committed: Sequence[int],
                 mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plain autoregression's step: feed ``codes`` (B,) at slot ``committed[b] - 1`` of each
@@ -350,7 +334,7 @@ class SlotSession(DecodingSession):
         return logits, None
 
     # ------------------------------------------------------------------ keep and retain
-    @_without_grad
+    @torch.no_grad()
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the entries of the fed nodes where ``mask`` (B, T) is True, per row; drop the rest.
 
@@ -400,7 +384,7 @@ class SlotSession(DecodingSession):
         if self._fed is not None:
             self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
 
-    @_without_grad
+    @torch.no_grad()
     def retain(self, rows: Sequence[int]) -> None:
         """Go on with only these batch rows (increasing indices into the current rows)."""
         listed = list(rows)
