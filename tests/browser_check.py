@@ -204,12 +204,8 @@ def wait_until_idle(server, timeout: float) -> None:
     raise TimeoutError(f"ComfyUI's queue was not empty after {timeout} s")
 
 
-def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -> dict:
-    """A template's run has been queued and its images shown: once the queue is empty, view the
-    graph at the template's saved zoom and offset. Returns the nodes' boxes (graph units; in the
-    Vue-nodes mode also their DOM boxes on screen), the pairs that overlap, and for each
-    Diagnostics sheet that shows a speed-up, that text's height and box on screen."""
-    wait_until_idle(server, timeout)
+def show_saved_view(page, graph: dict) -> None:
+    """Zoom and pan the canvas as the workflow ``graph`` was saved (its ``extra.ds``)."""
     view = graph["extra"]["ds"]
     page.evaluate(f"""() => {{
         const ds = window.app.canvas.ds;
@@ -217,6 +213,20 @@ def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -
         ds.offset = {json.dumps(view['offset'])};
         window.app.canvas.setDirty(true, true);
     }}""")
+
+
+def overlap(a: list[float], b: list[float]) -> bool:
+    """Whether boxes ``a`` and ``b`` (left, top, width, height) overlap."""
+    return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
+
+
+def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -> dict:
+    """A template's run has been queued and its images shown: once the queue is empty, view the
+    graph at the template's saved zoom and offset. Returns the nodes' boxes (graph units; in the
+    Vue-nodes mode also their DOM boxes on screen), the pairs that overlap, and for each
+    Diagnostics sheet that shows a speed-up, that text's height and box on screen."""
+    wait_until_idle(server, timeout)
+    show_saved_view(page, graph)
     page.wait_for_timeout(2000)
     diagnostics = [n["id"] for n in graph["nodes"] if n["type"] == "SJDDiagnostics"]
     seen = page.evaluate(f"""() => {{
@@ -246,8 +256,6 @@ def after_run(page, server, graph: dict, vue: bool, out: Path, timeout: float) -
         return {{ scale: window.app.canvas.ds.scale, graphBoxes, domBoxes, sheets }};
     }}""")
     page.screenshot(path=str(out))
-    overlap = lambda a, b: (a[0] < b[0] + b[2] and b[0] < a[0] + a[2]  # noqa: E731
-                            and a[1] < b[1] + b[3] and b[1] < a[1] + a[3])
     pairs = lambda boxes: [(a[0], b[0]) for i, a in enumerate(boxes)  # noqa: E731
                            for b in boxes[i + 1:] if overlap(a[-1], b[-1])]
     result = {"scale": seen["scale"], "boxes": seen["graphBoxes"],
@@ -449,13 +457,7 @@ def template_layout(page, graph: dict, out: Path) -> dict:
     """Load a template at its saved 75% view; returns each node's screen box, the visible canvas
     and the pairs of nodes (notes included) that overlap."""
     load(page, graph)
-    view = graph["extra"]["ds"]
-    page.evaluate(f"""() => {{
-        const ds = window.app.canvas.ds;
-        ds.scale = {view['scale']};
-        ds.offset = {json.dumps(view['offset'])};
-        window.app.canvas.setDirty(true, true);
-    }}""")
+    show_saved_view(page, graph)
     page.wait_for_timeout(1500)
     layout = page.evaluate("""() => {
         const ds = window.app.canvas.ds;
@@ -471,8 +473,6 @@ def template_layout(page, graph: dict, out: Path) -> dict:
                  boxes };
     }""")
     page.screenshot(path=str(out))
-    overlap = lambda a, b: (a[0] < b[0] + b[2] and b[0] < a[0] + a[2]  # noqa: E731
-                            and a[1] < b[1] + b[3] and b[1] < a[1] + a[3])
     boxes = layout["boxes"]
     layout["overlapping"] = [(a["type"], b["type"]) for i, a in enumerate(boxes)
                              for b in boxes[i + 1:] if overlap(a["graph"], b["graph"])]
