@@ -19,7 +19,7 @@ from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.decoding.trace import Clock, Trace
-from sjd_core.tools.gpu_check import HostReads
+from sjd_core.tools.host_reads import HostReads
 from sjd_core.decoding.verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
 LOSSLESS = {

@@ -22,9 +22,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..messages import quote
+from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
 from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
     flat_rows, redraft, shift_window, take_rows
@@ -228,7 +230,7 @@ class _Decoder:
         if not going_on:
             self.rows = []
             return
-        index = torch.tensor(going_on, device=self.device)
+        index = host_to_device({"rows": np.asarray(going_on)}, self.device)["rows"]
         self.session.retain(going_on)
         self.random.retain(going_on)
         self.rows = [self.rows[i] for i in going_on]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..transfer import host_to_device
 from .settings import SamplingSettings
 
 MIN_MASS = 1e-12  # below this a distribution's mass counts as empty (see ``normalise``)
@@ -213,7 +214,7 @@ class RowRandom:
     def retain(self, rows: Sequence[int]) -> None:
         """Keep the streams of these rows only (the others' images are finished)."""
         self.generators = [self.generators[row] for row in rows]
-        self.buffer = self.buffer[torch.tensor(list(rows), device=self.device)]
+        self.buffer = self.buffer[host_to_device({"rows": np.asarray(list(rows))}, self.device)["rows"]]
 
 
 @dataclass

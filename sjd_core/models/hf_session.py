@@ -26,7 +26,7 @@ from transformers import Cache
 
 from .session.kv_store import KVStore
 from .session.slot_session import Fed, SlotSession
-from .session.transfer import to_device
+from ..transfer import to_device
 
 __all__ = ["Context", "DecoderParts", "HFSession"]
 

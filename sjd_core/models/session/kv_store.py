@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .transfer import to_device
+from ...transfer import to_device
 
 __all__ = ["KVStore"]
 

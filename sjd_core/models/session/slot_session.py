@@ -36,7 +36,7 @@ from .compiled import CompiledNetwork
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
-from .transfer import host_to_device, to_device
+from ...transfer import host_to_device, to_device
 
 __all__ = ["Fed", "SlotSession"]
 
@@ -377,7 +377,8 @@ class SlotSession(DecodingSession):
         self._keep_one = torch.ones(self.batch_size, 1, dtype=torch.bool, device=self.device)
         rows = 2 * self.batch_size if self.guided else self.batch_size
         self._kept_one = torch.ones(rows, dtype=torch.int64, device=self.device)
-        self._start_positions = torch.as_tensor(self.layout.start[:, None], device=self.device)
+        self._start_positions = host_to_device({"start": self.layout.start[:, None]},
+                                               self.device)["start"]
 
     def _drop_unkept(self) -> None:
         """Throw away the last forward if nobody called keep after it."""
@@ -396,7 +397,7 @@ class SlotSession(DecodingSession):
         self._drop_unkept()
         chosen = listed + ([self.batch_size + r for r in listed] if self.guided else [])
         index = np.asarray(chosen)
-        on_device = torch.tensor(chosen, device=self.device)
+        on_device = host_to_device({"rows": index}, self.device)["rows"]
         self.layout.select_rows(index)
         self.store.select_rows(on_device)
         self.mask.select_rows(on_device)
