@@ -17,8 +17,8 @@ from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.decoding.trace import summary_text
 from sjd_core.models.protocol import GenerationRequest
-from sjd_core.models.session import compiled
-from sjd_core.models.session.compiled import MAX_COMPILED_SHAPES, CompiledNetwork
+from sjd_core.models.session import compiled, slot_session
+from sjd_core.models.session.compiled import MAX_COMPILED_SHAPES, CapturedNetwork, CompiledNetwork
 from sjd_core.models.synthetic import SyntheticModel
 
 SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
@@ -87,7 +87,7 @@ def test_shapes_past_the_cap_run_eagerly(monkeypatch):
         return inputs
 
     def counted_compile(network, **options):
-        assert options == {"dynamic": False, "fullgraph": False, "mode": None}
+        assert options == {"dynamic": False, "fullgraph": False}
 
         def compiled_network(*args):
             calls["compiled"] += 1
@@ -104,9 +104,83 @@ def test_shapes_past_the_cap_run_eagerly(monkeypatch):
     assert calls["eager"] == MAX_COMPILED_SHAPES + 4  # inside the compiled ones, and 3 eager calls
 
 
-def test_cuda_captures_graphs_and_the_cpu_uses_inductors_default():
-    assert compiled.compile_mode(torch.device("cuda")) == "reduce-overhead"
-    assert compiled.compile_mode(torch.device("cpu")) is None
+class _ReplayedGraph:
+    """Stands in for a CUDA graph on the CPU: recording keeps copies of the arguments, a replay
+    runs the network on them (a real graph replays the recorded kernels on the same memory)."""
+
+    recorded: list = []
+    refuse = False
+
+    def __init__(self, network, tensors, stream) -> None:
+        if self.refuse:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        self.network, self.inputs = network, tuple(t.clone() for t in tensors)
+        self.recorded.append(self)
+
+    def replay(self, tensors):
+        for recorded, tensor in zip(self.inputs, tensors):
+            recorded.copy_(tensor)
+        return self.network(*self.inputs)
+
+
+@pytest.fixture
+def replayed_graphs(monkeypatch):
+    monkeypatch.setattr(compiled, "_Graph", _ReplayedGraph)
+    monkeypatch.setattr(_ReplayedGraph, "recorded", [])
+    monkeypatch.setattr(compiled.CapturedNetwork, "_on_side_stream",
+                        lambda self, tensors: self._eager(*tensors))
+    return _ReplayedGraph
+
+
+def test_cuda_sessions_capture_graphs_and_others_compile_with_inductor(model, monkeypatch):
+    session = model.start(GenerationRequest(prompt="a red fox", guidance=2.0, max_nodes=4))
+    assert isinstance(session.compile_network(), CompiledNetwork)
+    monkeypatch.setattr(session, "device", torch.device("cuda"))
+    assert isinstance(session.compile_network(), CapturedNetwork)
+
+
+def test_a_captured_network_records_a_shape_once_and_replays_it_with_new_arguments(
+        replayed_graphs):
+    cache = [torch.zeros(3)]
+    network = CapturedNetwork(lambda x, columns: x * 2 + columns, torch.device("cuda"),
+                              lambda: tuple(cache))
+    assert torch.equal(network(torch.ones(2), torch.zeros(2)), torch.full((2,), 2.0))
+    assert torch.equal(network(torch.full((2,), 3.0), torch.ones(2)), torch.full((2,), 7.0))
+    assert len(replayed_graphs.recorded) == 1  # the second call replayed the first's graph
+    network(torch.ones(5), torch.ones(5))
+    cache[0] = torch.zeros(4)  # the cache moved (it grew, or rows left): graphs hold old addresses
+    network(torch.ones(2), torch.ones(2))
+    assert network.report() == {"compiled_shapes": 2, "eager_shapes": 0, "recordings": 3,
+                                "failure": None}
+    for tokens in range(6, 6 + MAX_COMPILED_SHAPES):
+        network(torch.ones(tokens), torch.ones(tokens))
+    assert network.report()["eager_shapes"] == 2 and network.report()["compiled_shapes"] == 8
+
+
+def test_a_refused_recording_runs_eagerly_with_one_warning(model, replayed_graphs, monkeypatch):
+    monkeypatch.setattr(replayed_graphs, "refuse", True)
+    network = CapturedNetwork(lambda x: x + 1, torch.device("cuda"), tuple)
+    assert torch.equal(network(torch.zeros(2)), torch.ones(2))
+    assert torch.equal(network(torch.zeros(3)), torch.ones(3))
+    failure = network.report()["failure"]
+    assert failure.startswith("compile=True: recording a CUDA graph failed (RuntimeError: CUDA "
+                              "error: operation not permitted when stream is capturing)")
+    assert network.report()["compiled_shapes"] == 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "pac+vp"])
+def test_replayed_graphs_draw_the_eager_codes(model, replayed_graphs, monkeypatch, mode):
+    """The session passes its network every tensor that changes per forward (a replay runs on
+    copies of the arguments the graph was recorded with)."""
+    eager = run(model, MODES[mode], batch=2)
+    def captured_on_the_cpu(network, device):
+        return CapturedNetwork(network, device, network.__self__.store.settled_buffers)
+
+    monkeypatch.setattr(slot_session, "CompiledNetwork", captured_on_the_cpu)
+    monkeypatch.setattr(compiled, "MAX_COMPILED_SHAPES", 64)
+    captured = run(model, replace(MODES[mode], compile=True), batch=2)
+    assert torch.equal(captured.codes, eager.codes)
+    assert captured.trace.meta["compile"]["recordings"] >= 1
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])

@@ -37,6 +37,7 @@ from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina
                                 synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
 from ..models.vqgan import VQGANConfig, VQGANDecoder
+from ..models.session.slot_session import SlotSession
 from .host_reads import HostReads
 
 PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
@@ -182,55 +183,121 @@ class _Stop(Exception):
     pass
 
 
-def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
-             iterations: int, profiled: int) -> dict:
-    """``preset`` (guided, 768 px), eager or compiled: after ``warmup`` iterations (compiling
-    happens there), ``iterations`` measured ones (wall-clock, host time outside waiting on reads,
-    codes, reads and blocking copies), then ``profiled`` ones under the profiler (device busy
-    time)."""
-    reads, busy, seen = HostReads(), _Busy(model.device), {}
-    device = model.device
+class ReadWait:
+    """Seconds the host spends in the tensor methods that read values back, over a stretch of
+    work: the methods are wrapped on the tensor class, so unlike a torch function mode it adds
+    nothing to the other operations (whose dispatch time is what is being measured)."""
 
-    def counts() -> dict:
-        return {"time": time.perf_counter(), "reads": reads.count,
-                "copies": reads.blocking_copies, "read_seconds": reads.read_seconds}
+    METHODS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__",
+               "nonzero")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self) -> "ReadWait":
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = torch.Tensor.__dict__.get(name)  # None: inherited
+
+            def timed(tensor, *args, _original=original, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(tensor, *args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - started
+            setattr(torch.Tensor, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, own in self._originals.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
+        self._originals.clear()
+
+
+class _Networks:
+    """The compiled networks the sessions started inside it make (their reports: shapes
+    compiled, recordings, failure), which ``generate`` puts in a trace only at the end."""
+
+    def __enter__(self) -> list:
+        self.made: list = []
+        self._original = SlotSession.compile_network
+
+        def recorded(session):
+            network = self._original(session)
+            self.made.append(network)
+            return network
+        SlotSession.compile_network = recorded
+        return self.made
+
+    def __exit__(self, *exc) -> None:
+        SlotSession.compile_network = self._original
+
+
+def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
+             iterations: int, counted: int, profiled: int) -> dict:
+    """``preset`` (guided, 768 px), eager or compiled: after ``warmup`` iterations (compiling
+    happens there), ``iterations`` timed ones (wall-clock, and the host's time outside waiting in
+    reads), ``counted`` ones under :class:`HostReads` (reads and blocking copies: the mode slows
+    every operation, so it stays out of the timed stretch), then ``profiled`` ones under the
+    profiler (device busy time)."""
+    reads, waits, busy, seen = HostReads(), ReadWait(), _Busy(model.device), {}
+    device = model.device
+    marks = (warmup, warmup + iterations, warmup + iterations + counted,
+             warmup + iterations + counted + profiled)
 
     def step(report) -> None:
-        if report.iteration == warmup:
+        if report.iteration == marks[0]:
             _sync(device)
-            seen.update(start=counts(), committed=report.committed[0],
-                        warmup_seconds=time.perf_counter() - seen["began"])
-        elif report.iteration == warmup + iterations:
-            seen.update(end=counts(), committed_end=report.committed[0])
+            seen.update(committed=report.committed[0], began=time.perf_counter(),
+                        warmup_seconds=time.perf_counter() - seen["started"])
+            waits.__enter__()
+        elif report.iteration == marks[1]:
+            waits.__exit__()
+            seen.update(ended=time.perf_counter(), committed_end=report.committed[0])
+            reads.__enter__()
+            seen["counting"] = True
+        elif report.iteration == marks[2]:
+            reads.__exit__(None, None, None)
+            seen["counting"] = False
             _sync(device)
             busy.start()
-        elif report.iteration == warmup + iterations + profiled:
+        elif report.iteration == marks[3]:
             _sync(device)
             seen["busy_seconds"] = busy.stop()
+            done = min(report.committed)
+            seen["codes"] = report.codes[:, :done].cpu()
             raise _Stop
 
     sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
     settings = replace(AccelerationSettings.preset(preset), compile=compiled)
-    seen["began"] = time.perf_counter()
+    seen["started"] = time.perf_counter()
     try:
-        with reads:
+        with _Networks() as networks:
             generate(model, request, sampling, settings, seed=0, on_iteration=step)
     except _Stop:
         pass
-    start, end = seen["start"], seen["end"]
-    wall = end["time"] - start["time"]
+    finally:
+        waits.__exit__()
+        if seen.get("counting"):
+            reads.__exit__(None, None, None)
+    wall = seen["ended"] - seen["began"]
     busy_seconds = seen["busy_seconds"]
     return {"mode": preset, "compiled": compiled, "iterations": iterations,
             "warmup_seconds": seen["warmup_seconds"],
             "ms_per_iteration": 1e3 * wall / iterations,
-            "host_ms_per_iteration": 1e3 * (wall - end["read_seconds"] + start["read_seconds"])
-            / iterations,
+            "host_ms_per_iteration": 1e3 * (wall - waits.seconds) / iterations,
             "busy_ms_per_iteration": None if busy_seconds is None
             else 1e3 * busy_seconds / profiled,
             "codes_per_iteration": (seen["committed_end"] - seen["committed"]) / iterations,
-            "reads_per_iteration": (end["reads"] - start["reads"]) / iterations,
-            "blocking_copies_per_iteration": (end["copies"] - start["copies"]) / iterations}
+            "reads_per_iteration": reads.count / counted,
+            "blocking_copies_per_iteration": reads.blocking_copies / counted,
+            "network": networks[0].report() if networks else None,
+            "codes": seen["codes"]}
 
 
 def forward_shapes(device: torch.device) -> dict[str, DraftTree]:
@@ -241,13 +308,15 @@ def forward_shapes(device: torch.device) -> dict[str, DraftTree]:
 
 
 def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, iterations: int,
-            profiled: int, repeats: int) -> dict:
-    """Every number of the table."""
+            counted: int, profiled: int, repeats: int, show=None) -> dict:
+    """Every number of the table; ``show(table)`` after each step (the table so far)."""
+    show = show or (lambda table: None)
     built = time.perf_counter()
     model = build_model(size, device, dtype)
     table = {"model": f"Lumina-mGPT layout, {size.layers} layers x {size.hidden}, "
                       f"{str(dtype).removeprefix('torch.')}, {device}, 768 px, guidance on",
-             "build_seconds": time.perf_counter() - built, "forwards": []}
+             "build_seconds": time.perf_counter() - built, "forwards": [], "runs": [],
+             "peak_memory_gib": None}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for fill, share in FILLS.items():
@@ -257,11 +326,35 @@ def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, i
             table["forwards"].append({"nodes": name, "cache": fill, "cached_codes": committed,
                                       **timed})
         del session
-    table["runs"] = [run_mode(model, preset, compiled, warmup, iterations, profiled)
-                     for preset in MODES for compiled in (False, True)]
-    table["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
-                                if device.type == "cuda" else None)
+        show(table)
+    eager_codes = {}
+    for preset in MODES:
+        for compiled in (False, True):
+            try:
+                run = run_mode(model, preset, compiled, warmup, iterations, counted, profiled)
+            except Exception as error:  # one mode failing leaves the others' numbers
+                table["runs"].append({"mode": preset, "compiled": compiled,
+                                      "error": f"{type(error).__name__}: {error}"})
+                show(table)
+                continue
+            codes = run.pop("codes")
+            if not compiled:
+                eager_codes[preset] = codes
+            elif preset in eager_codes:
+                run["codes_compared"], run["first_difference"] = _compare(eager_codes[preset],
+                                                                          codes)
+            table["runs"].append(run)
+            if device.type == "cuda":
+                table["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            show(table)
     return table
+
+
+def _compare(eager: torch.Tensor, compiled: torch.Tensor) -> tuple[int, int | None]:
+    """Codes both runs committed, and the first slot where they differ (None: nowhere)."""
+    n = min(eager.shape[1], compiled.shape[1])
+    differs = (eager[:, :n] != compiled[:, :n]).any(0).nonzero()
+    return n, int(differs[0]) if len(differs) else None
 
 
 def _ms(value: float | None) -> str:
@@ -273,23 +366,39 @@ def format_table(table: dict) -> str:
              "| forward | cache | host ms | device busy ms |", "| --- | --- | ---: | ---: |"]
     lines += [f"| {f['nodes']} | {f['cache']} ({f['cached_codes']} codes) | {_ms(f['host_ms'])} | "
               f"{_ms(f['busy_ms'])} |" for f in table["forwards"]]
-    lines += ["", "| mode | ms / iteration | host ms | device busy ms | codes / iteration | "
-                  "reads | blocking copies | s to first measured |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    runs = [r for r in table["runs"] if "error" not in r]
+    if table["runs"]:
+        lines += ["", "| mode | ms / iteration | host ms | device busy ms | codes / iteration | "
+                      "reads | blocking copies | s to first measured | graphs | codes as eager |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in table["runs"]:
         name = f"{r['mode']} {'compiled' if r['compiled'] else 'eager'}"
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} |")
+            continue
+        network = r["network"] or {}
+        graphs = "-" if not network else (f"{network['compiled_shapes']} "
+                                          f"(+{network['eager_shapes']} eager)")
+        same = "-"
+        if "codes_compared" in r:
+            same = (f"same {r['codes_compared']}" if r["first_difference"] is None
+                    else f"differ from slot {r['first_difference']} of {r['codes_compared']}")
         lines.append(f"| {name} | {_ms(r['ms_per_iteration'])} | {_ms(r['host_ms_per_iteration'])} "
                      f"| {_ms(r['busy_ms_per_iteration'])} | {r['codes_per_iteration']:.2f} | "
                      f"{r['reads_per_iteration']:.2f} | {r['blocking_copies_per_iteration']:.2f} | "
-                     f"{r['warmup_seconds']:.1f} |")
-    ar = {r["compiled"]: r["ms_per_iteration"] for r in table["runs"] if r["mode"] == "ar"}
-    baseline = min(ar.values())
-    lines += ["", f"plain autoregression: {ar[False]:.2f} ms per code eager, {ar[True]:.2f} "
-                  f"compiled; codes per second against the faster ({baseline:.2f} ms):"]
-    for r in table["runs"]:
-        per_code = r["ms_per_iteration"] / max(r["codes_per_iteration"], 1e-9)
-        lines.append(f"  {r['mode']} {'compiled' if r['compiled'] else 'eager'}: "
-                     f"{baseline / per_code:.2f}x")
+                     f"{r['warmup_seconds']:.1f} | {graphs} | {same} |")
+        if network.get("failure"):
+            lines.append(f"|  | warning: {network['failure']} |")
+    ar = {r["compiled"]: r["ms_per_iteration"] for r in runs if r["mode"] == "ar"}
+    if ar:
+        baseline = min(ar.values())
+        named = ", ".join(f"{ms:.2f} {'compiled' if c else 'eager'}" for c, ms in ar.items())
+        lines += ["", f"plain autoregression ms per code: {named}; codes per second against "
+                      f"the faster ({baseline:.2f} ms):"]
+        for r in runs:
+            per_code = r["ms_per_iteration"] / max(r["codes_per_iteration"], 1e-9)
+            lines.append(f"  {r['mode']} {'compiled' if r['compiled'] else 'eager'}: "
+                         f"{baseline / per_code:.2f}x")
     if table["peak_memory_gib"] is not None:
         lines.append(f"peak memory: {table['peak_memory_gib']:.1f} GiB")
     return "\n".join(lines)
@@ -304,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
                              "2 tiny)")
     parser.add_argument("--iterations", type=int, default=None,
                         help="measured iterations per mode (default 48 real, 4 tiny)")
+    parser.add_argument("--counted", type=int, default=None,
+                        help="iterations per mode counting reads and blocking copies (default 8 "
+                             "real, 2 tiny)")
+    parser.add_argument("--progress", action="store_true",
+                        help="print the table so far to stderr after every step")
     parser.add_argument("--profiled", type=int, default=None,
                         help="iterations per mode under the profiler (default 8 real, 1 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of each forward")
@@ -317,14 +431,20 @@ def main(argv: list[str] | None = None) -> int:
             print("No CUDA device: run with --tiny for the CPU smoke test.", file=sys.stderr)
             return 2
         device, dtype, size = torch.device("cuda"), torch.bfloat16, REAL
+
+    def show(table: dict) -> None:  # every step as soon as it is measured, for a long run
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(table, handle, indent=1)
+        if args.progress:
+            print(format_table(table), "\n", file=sys.stderr, flush=True)
+
     table = measure(size, device, dtype, args.warmup or (2 if args.tiny else 12),
                     args.iterations or (4 if args.tiny else 48),
+                    args.counted or (2 if args.tiny else 8),
                     args.profiled or (1 if args.tiny else 8),
-                    args.repeats or (2 if args.tiny else 10))
+                    args.repeats or (2 if args.tiny else 10), show)
     print(format_table(table))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(table, handle, indent=1)
     return 0
 
 

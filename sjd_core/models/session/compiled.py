@@ -1,17 +1,23 @@
-"""The session's network call compiled with ``torch.compile``, one graph per fed shape.
+"""The session's network call compiled per fed shape: CUDA graphs on CUDA, inductor elsewhere.
 
 The session keeps every shape inside the network a function of the fed shape alone (see
-:mod:`.slot_session`), so each shape compiles once. Compiling must never cost a generation:
-shapes past the first ``MAX_COMPILED_SHAPES`` run eagerly (compile time stays bounded), and when
-compiling or running a compiled graph raises anything, the call is repeated eagerly and every
-later call runs eagerly too, with one warning for the run's summary. Repeating the call is safe:
-the network only writes the fed tokens' keys and values at their planned columns, which the
-eager run writes again.
+:mod:`.slot_session`), and passes every tensor that changes between forwards as an argument, so
+each shape compiles once. On CUDA, :class:`CapturedNetwork` records the network's kernels as one
+CUDA graph per shape and replays it: one launch instead of one per kernel, which is what a
+decoding step of a large model is bound by. Elsewhere :class:`CompiledNetwork` compiles it with
+``torch.compile`` (inductor).
 
-Compiled graphs outlive a generation (torch keeps them per function), so a later generation of
+Compiling must never cost a generation: shapes past the first ``MAX_COMPILED_SHAPES`` run
+eagerly (compile time and graph memory stay bounded), and when compiling, recording or running a
+graph raises anything, the call is repeated eagerly and every later call runs eagerly too, with
+one warning for the run's summary. Repeating the call is safe: the network only writes the fed
+tokens' keys and values at their planned columns, which the eager run writes again.
+
+Inductor's graphs outlive a generation (torch keeps them per function), so a later generation of
 the same shapes does not compile again. Torch holds at most ``PROCESS_GRAPHS`` of them per
 function; past that it would run the network uncompiled without a word, so here it raises, and
-the run warns as for any other failure.
+the run warns as for any other failure. CUDA graphs belong to their session (they hold its
+cache's addresses) and are recorded again by the next one, in about the time of a forward each.
 """
 
 from __future__ import annotations
@@ -22,19 +28,12 @@ import torch
 
 from ...messages import first_line
 
-__all__ = ["MAX_COMPILED_SHAPES", "CompiledNetwork"]
+__all__ = ["MAX_COMPILED_SHAPES", "CapturedNetwork", "CompiledNetwork"]
 
 MAX_COMPILED_SHAPES = 8  # distinct fed shapes compiled per generation; later ones run eagerly
 PROCESS_GRAPHS = 64  # graphs torch keeps per network function, over every generation of a process
 
-Network = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def compile_mode(device: torch.device) -> str | None:
-    """``torch.compile``'s mode on ``device``: CUDA graphs on CUDA (they remove the launch cost
-    of every kernel, what a decoding step of a large model is bound by), inductor's default
-    elsewhere."""
-    return "reduce-overhead" if device.type == "cuda" else None
+Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns) -> hidden states
 
 
 def _failure(error: Exception) -> str:
@@ -45,7 +44,7 @@ def _failure(error: Exception) -> str:
 
 
 class CompiledNetwork:
-    """``network(inputs, positions, mask)`` compiled per fed shape, or eager (see the module).
+    """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module).
 
     shapes: the fed shapes that ran compiled; ``eager_shapes``: those that ran eagerly because
     ``MAX_COMPILED_SHAPES`` were compiled already; ``failure``: why compiling stopped, a
@@ -58,25 +57,23 @@ class CompiledNetwork:
         self.eager_shapes: set[tuple] = set()
         self.failure: str | None = None
         try:
-            self._compiled = torch.compile(network, dynamic=False, fullgraph=False,
-                                           mode=compile_mode(device))
+            self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
             self._compiled, self.failure = None, _failure(error)
 
-    def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-                 ) -> torch.Tensor:
-        shape = (tuple(inputs.shape), tuple(positions.shape), tuple(mask.shape))
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        shape = _shape_of(tensors)
         if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
             self.eager_shapes.add(shape)
         if self.failure is not None or shape in self.eager_shapes:
-            return self._eager(inputs, positions, mask)
+            return self._eager(*tensors)
         try:
             with torch._dynamo.config.patch(recompile_limit=PROCESS_GRAPHS,
                                             fail_on_recompile_limit_hit=True):
-                hidden = self._compiled(inputs, positions, mask)
+                hidden = self._compiled(*tensors)
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
-            return self._eager(inputs, positions, mask)
+            return self._eager(*tensors)
         self.shapes.add(shape)
         return hidden
 
@@ -84,3 +81,92 @@ class CompiledNetwork:
         """What the trace records: shapes compiled and run eagerly, and the failure if any."""
         return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
                 "failure": self.failure}
+
+
+def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+class _Graph:
+    """One recorded CUDA graph: the copies of the arguments it reads and the output it writes."""
+
+    def __init__(self, network: Network, tensors: tuple[torch.Tensor, ...],
+                 stream: torch.cuda.Stream) -> None:
+        self.inputs = tuple(t.clone() for t in tensors)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.output = network(*self.inputs)
+
+    def replay(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The network's output for ``tensors``; valid until the next replay of this graph."""
+        for recorded, tensor in zip(self.inputs, tensors):
+            recorded.copy_(tensor)
+        self.graph.replay()
+        return self.output
+
+
+class CapturedNetwork:
+    """``network(*tensors)`` recorded as one CUDA graph per fed shape and replayed (see the
+    module).
+
+    The first call of a shape runs eagerly on a side stream (which also warms up what the
+    network calls, as a recording needs), then records the graph on copies of the arguments;
+    later calls copy their arguments there and replay. ``buffers()`` gives the tensors the network
+    writes in place (the cache): a graph holds their addresses, so when they change (the cache
+    grew, rows left the batch) every graph is dropped and recorded again when next needed.
+
+    shapes: the fed shapes that ran as graphs; ``eager_shapes``: those that ran eagerly because
+    ``MAX_COMPILED_SHAPES`` were recorded already; ``recordings``: graphs recorded (re-recordings
+    included); ``failure``: why recording stopped, a sentence for the run's warnings.
+    """
+
+    def __init__(self, network: Network, device: torch.device,
+                 buffers: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self._eager, self._buffers, self._device = network, buffers, device
+        self._stream: torch.cuda.Stream | None = None
+        self._graphs: dict[tuple, _Graph] = {}
+        self._addresses: tuple[int, ...] = ()
+        self.shapes: set[tuple] = set()
+        self.eager_shapes: set[tuple] = set()
+        self.recordings = 0
+        self.failure: str | None = None
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        shape = _shape_of(tensors)
+        if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
+            self.eager_shapes.add(shape)
+        if self.failure is not None or shape in self.eager_shapes:
+            return self._eager(*tensors)
+        addresses = tuple(buffer.data_ptr() for buffer in self._buffers())
+        if addresses != self._addresses:
+            self._graphs.clear()
+            self._addresses = addresses
+        if shape in self._graphs:
+            return self._graphs[shape].replay(tensors)
+        hidden = self._on_side_stream(tensors)
+        try:
+            self._graphs[shape] = _Graph(self._eager, tensors, self._stream)
+        except Exception as error:  # recording refused an operation: eager from here on
+            self._graphs.clear()
+            self.failure = _failure(error).replace("torch.compile", "recording a CUDA graph")
+            return hidden
+        self.shapes.add(shape)
+        self.recordings += 1
+        return hidden
+
+    def _on_side_stream(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The eager call, on the stream the graphs are recorded on (a recording follows a run
+        there), ordered after and before the current stream's work."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            hidden = self._eager(*tensors)
+        current.wait_stream(self._stream)
+        return hidden
+
+    def report(self) -> dict:
+        """What the trace records: shapes recorded and run eagerly, recordings, the failure."""
+        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
+                "recordings": self.recordings, "failure": self.failure}

@@ -60,6 +60,13 @@ class KVStore:
         cached_values[rows, :, columns] = values.transpose(1, 2)
         return cached_keys, cached_values
 
+    def settled_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding every layer's entries, once the layers held apart are joined:
+        what a captured network writes in place (a new tensor here means a new address)."""
+        if self._apart:
+            self.join()
+        return tuple(self._groups)
+
     def join(self) -> None:
         """Move the layers held apart that share a device, dtype and shape into one tensor.
 

@@ -32,7 +32,7 @@ import torch
 
 from ...messages import quote
 from ..protocol import DecodingSession
-from .compiled import CompiledNetwork
+from .compiled import CapturedNetwork, CompiledNetwork
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
@@ -102,7 +102,7 @@ class SlotSession(DecodingSession):
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
-        self._network = self._run  # the network call of forward and advance (compile_network)
+        self._network = self._network_step  # the network call of forward and advance
         self._keep_rows()
 
     # ------------------------------------------------------------------ what a model adds
@@ -126,11 +126,24 @@ class SlotSession(DecodingSession):
     def _select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` of the model's own per-row state."""
 
-    def compile_network(self) -> CompiledNetwork:
+    def compile_network(self) -> CompiledNetwork | CapturedNetwork:
         """Run the network of every later forward and advance compiled, one graph per fed shape
-        (the prefill stays eager: it runs once); returns what tells how compiling went."""
-        self._network = CompiledNetwork(self._run, self.device)
+        (the prefill stays eager: it runs once): captured as CUDA graphs on CUDA, compiled by
+        inductor elsewhere. Returns what tells how compiling went."""
+        if self.device.type == "cuda":
+            self._network = CapturedNetwork(self._network_step, self.device,
+                                            self.store.settled_buffers)
+        else:
+            self._network = CompiledNetwork(self._network_step, self.device)
         return self._network
+
+    def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      columns: torch.Tensor) -> torch.Tensor:
+        """The network on the fed tokens, their keys and values written at cache ``columns``
+        (R, tokens): the call compiled or captured per fed shape, so every tensor it reads that
+        changes between forwards is an argument (the cache's buffers stay where they are)."""
+        self.store.plan(columns)
+        return self._run(inputs, positions, mask)
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, inputs: torch.Tensor) -> None:
@@ -148,6 +161,7 @@ class SlotSession(DecodingSession):
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
         self.store.plan(order.expand(len(self._padding), n))
         self._run(inputs, positions, self.mask.values(allowed)[:, None])
+        self.store.join()
 
     def context_columns(self, row: int, length: int) -> slice:
         """The columns of the prefill's input where row ``row`` puts its ``length`` context
@@ -173,12 +187,11 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        self.store.plan(fed.columns)
         self.mask.write_block(fed.column_index, tree_block if fed.visible is None
                               else self.mask.values(fed.visible))
         if mark is not None:
             mark()
-        hidden = self._network(inputs, fed.positions, self.mask.view(plan.tokens))
+        hidden = self._network(inputs, fed.positions, self.mask.view(plan.tokens), fed.columns)
         if fed.outputs is not None:
             index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, index)
@@ -319,11 +332,10 @@ class SlotSession(DecodingSession):
         positions = self._start_positions + int(self.layout.code_offset(committed - 1))
         columns = torch.full((len(self.layout.prefix), 1), first, device=self.device)
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
-        self.store.plan(columns)
         self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
             mark()
-        logits = self._logits(self._network(inputs, positions, self.mask.view(1)))[:, 0]
+        logits = self._logits(self._network(inputs, positions, self.mask.view(1), columns))[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one
