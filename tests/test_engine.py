@@ -1,5 +1,5 @@
 """The engine on the synthetic model: greedy equivalence, reproducibility, batches, settings
-errors, device reads per iteration, the trace, and every mode combination."""
+errors, the trace, and every mode combination (what an iteration waits for: ``test_sync.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.decoding.trace import Clock, Trace
-from sjd_core.tools.host_reads import HostReads
 from sjd_core.decoding.verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
 LOSSLESS = {
@@ -192,44 +191,6 @@ def test_relaxed_slots_are_marked_in_the_trace(model):
     trace = generate(model, request(2), SAMPLING, settings, seed=1).trace
     assert (trace.commit_kind == RELAXED).sum() > 0
     assert trace.summary()["lossless"] is False
-
-
-_DeviceReads = HostReads  # counts every value read back from the device
-
-
-@pytest.mark.parametrize("preset,relaxed", [("ar", "none"), ("sjd", "none"), ("sjd", "gsd"),
-                                            ("pac+vp", "none"), ("pac+vp", "gsd"),
-                                            ("auto", "none")])
-def test_one_device_read_per_iteration(model, preset, relaxed, unchecked_draws):
-    overrides = {} if preset == "ar" else {"window": 8, "relaxed": relaxed}
-    settings = AccelerationSettings.preset(preset, **overrides)
-    reads = _DeviceReads()
-    seen: list[int] = []
-    with reads:
-        generate(model, request(2), SAMPLING, settings, seed=0,
-                 on_iteration=lambda report: seen.append(reads.count))
-    per_iteration = np.diff(seen)
-    assert len(per_iteration) >= 3
-    # plain autoregression commits one slot per row: it knows its counts without reading them
-    if preset == "auto":  # its plain autoregressive steps read nothing, the others one value
-        assert (per_iteration <= 1).all() and per_iteration.sum() > 0, per_iteration
-    else:
-        assert (per_iteration == (0 if preset == "ar" else 1)).all(), per_iteration
-
-
-def test_device_read_counter_sees_reads():
-    """The counter used above is not blind: it counts the reads it claims to count."""
-    reads = _DeviceReads()
-    x = torch.arange(4)
-    with reads:
-        x.tolist()
-        bool(x[0] > 0)
-        x[x > 1]
-        int(x.sum())
-        x.numpy()  # a CPU tensor's memory is the host's: not a read
-        with pytest.raises(TypeError):  # another device's is one (numpy refuses it)
-            torch.empty(2, device="meta").numpy()
-    assert reads.count == 5
 
 
 def test_progress_reports_and_stopping(model):

@@ -1,15 +1,18 @@
-"""HFSession on a tiny random LlamaForCausalLM: windows, trees, keep, batched guidance (fp32)."""
+"""HFSession on a tiny random LlamaForCausalLM: windows, trees, keep, batched guidance (fp32),
+what it waits for in steady state; and the session benchmark at toy size."""
 
 import re
 
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession
+from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 from sjd_core.models.session.kv_store import KVStore
+from sjd_core.tools import session_bench
+from sjd_core.tools.host_reads import HostReads
 
 VOCAB, OFFSET, CODEBOOK, ROW_END = 64, 10, 40, 3
 GRID = (3, 4)  # 3 rows of 4 codes
@@ -324,46 +327,31 @@ def test_forward_of_more_nodes_than_max_nodes_enlarges_the_cache(llama):
                                atol=1e-5, rtol=1e-5)
 
 
-SYNC_OPS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
-            "numpy", "masked_select", "unique", "argwhere"}
-
-
-class _HostReads(TorchFunctionMode):
-    """Records tensor operations that need values on the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        bool_index = name == "__getitem__" and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:])
-        if name in SYNC_OPS or bool_index:
-            self.names.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @torch.no_grad()
-def test_steady_state_reads_nothing_back(llama):
-    """After the first forward of a tree, forward + keep read nothing from the device."""
+def test_steady_state_waits_for_nothing(llama):
+    """After the first forward of a tree, forward + keep read nothing from the device and copy
+    nothing from the host that the host waits for (the CPU counted as the device, the inputs
+    made on it, as the engine makes them)."""
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT)), Context(ids=torch.tensor([1, 9]))],
                         [Context(ids=torch.tensor([2, 9]))] * 2, GRID)
+    device = session.device
     tree = chain(4)
     session.forward(torch.zeros(2, 4, dtype=torch.long), torch.arange(-1, 3).expand(2, 4), tree, [0, 0])
     session.keep(torch.tensor([[True, True, False, False], [True, False, False, False]]))
-    cached, reads = [1, 0], _HostReads()
-    with reads:
+    keep = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    cached, waits = [1, 0], HostReads(cpu_is_device=True)
+    with waits:
         for _ in range(4):
-            slots = torch.stack([torch.arange(c, c + 4) for c in cached]).clamp(max=11)
-            session.forward(torch.ones(2, 4, dtype=torch.long), slots, tree, [c + 1 for c in cached])
-            session.keep(torch.tensor([[True, True, True, False], [True, True, False, False]]))
+            slots = torch.stack([torch.arange(c, c + 4, device=device) for c in cached]).clamp(max=11)
+            session.forward(torch.ones(2, 4, dtype=torch.long, device=device), slots, tree,
+                            [c + 1 for c in cached])
+            session.keep(keep)
             cached = [cached[0] + 3, cached[1] + 2]
-    assert reads.names == []
-    with reads:  # the recorder is not blind
-        torch.arange(3).tolist()
-        bool(torch.ones(1))
-    assert reads.names == ["tolist", "__bool__"]
+    assert (waits.count, waits.blocking_copies) == (0, 0)
+    with waits:  # the counter is not blind: a read, and host data made into a device tensor
+        torch.arange(3, device=device).tolist()
+        torch.tensor([1, 2], device=device)
+    assert (waits.count, waits.blocking_copies) == (1, 1)
 
 
 @torch.no_grad()
@@ -455,3 +443,35 @@ def test_a_tree_with_row_ends_is_fed_in_at_most_three_token_counts():
         counts.add(plan.tokens)
     assert layout.padded_tokens(depth) == tree.size + 16  # the 16 nodes at depth 2
     assert counts == {tree.size, tree.size + 16, 2 * tree.size}
+
+
+# ---------------------------------------------------------------- the session benchmark
+# ``bench --cache-scaling`` (sjd_core.tools.session_bench) times the session's own work; here it
+# runs at toy size.
+
+@pytest.mark.parametrize("backbone", session_bench.BACKBONES)
+def test_cache_scaling_bench_splits_every_iteration(backbone):
+    network = session_bench.random_decoder()
+    outside, inside = session_bench.image_iterations(network, 4, True, session_bench.SplitClock(),
+                                                     backbone)
+    assert len(outside) == len(inside) == 6  # 16 slots, three kept per iteration
+    assert min(outside) > 0 and min(inside) > 0
+
+
+def test_the_control_attends_over_a_long_image_and_leaves_the_decoders_output_alone():
+    network = session_bench.random_decoder()
+    control = session_bench.decoder_parts(network, row_end=True, backbone="control").backbone
+    assert control.keys.shape[2] == 64 * 65  # a 64x64 image's codes and row ends
+    inputs = torch.randn(2, 5, network.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(control(inputs_embeds=inputs).last_hidden_state,
+                           network.model(inputs_embeds=inputs).last_hidden_state)
+    with pytest.raises(ValueError, match="backbone is 'eager'; allowed: decoder, stand-in, control"):
+        session_bench.decoder_parts(network, row_end=True, backbone="eager")
+
+
+def test_autoregression_bench_reports_share_and_speeds():
+    share, speeds = session_bench.autoregression(ReferenceModel(WEIGHTS_DIR, device="cpu"))
+    percent = float(re.search(r"([\d.]+)% of forward \+ keep", share).group(1))
+    assert 0 < percent < 100
+    assert re.search(r"session: [\d.]+ ms/token; transformers generate\(\): [\d.]+ ms/token", speeds)
