@@ -242,7 +242,7 @@ class Canvas:
     width: int
     slots: int  # per image
     column_targets: torch.Tensor | None = None
-    fewest_committed: int = 0  # a lower bound on ``committed`` known on the host (0: unknown)
+    fewest_committed: int = 0  # not read here: the engine still passes it (see initial_drafts)
 
     def targets_above(self, slot: torch.Tensor) -> torch.Tensor:
         """(B, n, V) the targets held for the columns of the slots ``slot`` (B, n)."""
@@ -266,46 +266,22 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     ``above_target``: a draw from the committed target of the slot above, q that target; where
     the slot above is not committed yet, ``above``; the first row falls back to ``left``.
     ``uniforms`` (B, W) in (0, 1] make the random draws. Other offsets keep their drafts.
-    ``first``: no offset before it is in ``fill`` (new slots enter at the end of the window).
-    Where ``canvas.fewest_committed`` shows that the slot above each of offsets ``first ..`` is
-    committed, the ``above`` rules draft those offsets alone, from the committed row above,
-    without the left copies and the drafts inside the window that the general rule makes.
+    ``first`` (no offset before it is in ``fill``) is not read: ``fill`` alone says which
+    offsets are drafted, the same way whatever the committed counts.
     """
-    _, window, vocab = state.q.shape
-    if (rule in ("above", "above_target") and window <= canvas.width
-            and canvas.fewest_committed + first >= canvas.width):
-        made = _copies_from_above(rule, canvas, first, window, uniforms[:, first:], vocab,
-                                  state.q.dtype)
-        fill = fill[:, first:]
-        for field, new, where in zip((state.tokens, state.q, state.source), made,
-                                     (fill, fill[..., None], fill)):
-            kept = field[:, first:]
-            torch.where(where, new, kept, out=kept)
-        return
     tokens, q, source = _drafts_by_rule(rule, state, fill, canvas, uniforms)
     state.tokens = torch.where(fill, tokens, state.tokens)
     state.q = torch.where(fill[..., None], q, state.q)
     state.source = torch.where(fill, source, state.source).to(torch.int8)
 
 
-def _copies_from_above(rule: str, canvas: Canvas, first: int, window: int,
-                       uniforms: torch.Tensor, vocab: int, dtype: torch.dtype
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``above``/``above_target`` drafts of offsets ``first .. window - 1`` when every slot above
-    them is committed: tokens, q and source."""
-    offsets = torch.arange(first, window, device=canvas.codes.device)
-    slot = canvas.committed[:, None] + offsets
-    if rule == "above_target":
-        tokens, q = draw_from_target_above(canvas.targets_above(slot), uniforms)
-        return tokens, q, torch.full_like(tokens, ABOVE_TARGET_INIT, dtype=torch.int8)
-    tokens = canvas.codes[canvas.row_start[:, None] + slot - canvas.width]
-    return (tokens, copy_proposal(tokens, vocab, dtype),
-            torch.full_like(tokens, ABOVE_INIT, dtype=torch.int8))
-
-
 def _drafts_by_rule(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every rule's drafts of the whole window, the general way: tokens, q and source."""
+    """The rule's drafts of every offset of the window: tokens, q and source.
+
+    The slot above offset ``j`` is ``slot - width``: committed when it is below the row's
+    committed count, otherwise inside the window at offset ``j - width`` (drafted now or
+    before); a slot in the first grid row has none."""
     batch, window, vocab = state.q.shape
     device = state.tokens.device
     offsets = torch.arange(window, device=device)
@@ -396,23 +372,24 @@ def predict_verification(targets: torch.Tensor, state: WindowState, known: torch
     ``vp_rises`` iterations in a row get ``log q' = log p_t + S``, the rest ``log p_t``;
     ``q' = softmax``, computed as the weights ``p_t^2 / pbar`` and ``p_t`` normalised (``pbar``
     at least ``_MEAN_FLOOR``). ``pbar`` is then updated with weight ``1 - vp_decay``. ``state``
-    holds the history already shifted to the new window (a tensor of its own, which this updates
-    in place); ``known`` marks slots that have one, ``updated`` those that have one after this
-    update (the slots with a target). Returns q' (B, W, V).
+    holds the history already shifted to the new window; it gets a new history tensor (the
+    mean, ``p_t`` and the rise counts), so no view of the old one is written. ``known`` marks
+    slots that have a history, ``updated`` those that have one after this update (the slots with
+    a target). Returns q' (B, W, V).
     """
     known3 = known[..., None]
     mean = torch.where(known3, state.vp_mean, targets)
     last = torch.where(known3, state.vp_last, targets)
     # a new history has last == targets: no rise
-    rises = torch.mul(state.vp_rises + 1, targets > last, out=state.vp_rises)
+    rises = (state.vp_rises + 1) * (targets > last)
     top = min(settings.vp_top_k, targets.shape[-1])
     # among the top codes and above 0: a flushed target is 0 or at least NEGLIGIBLE
     kth = kth_largest(targets, top).clamp_min(NEGLIGIBLE)
     boosted = (rises >= settings.vp_rises) & (targets >= kth)
     weights = torch.where(boosted, targets * (targets / mean.clamp_min(_MEAN_FLOOR)), targets)
     fused = flush_negligible(weights / weights.sum(-1, keepdim=True))
-    torch.lerp(targets, mean, settings.vp_decay, out=state.vp_mean)
-    state.vp_last.copy_(targets)
+    state.vp_history = torch.stack([torch.lerp(targets, mean, settings.vp_decay), targets, rises],
+                                   dim=2)
     state.vp_known = updated
     return fused
 
@@ -421,15 +398,13 @@ def flat_rows(index: torch.Tensor, width: int) -> torch.Tensor:
     """The (B * n,) positions ``b * width + index[b, j]`` of a per-row ``index`` (B, n) into
     tensors of shape (B, width, ...) with their first two axes flattened, for :func:`take_rows`."""
     batch = index.shape[0]
-    if batch == 1:  # the one row starts at 0
-        return index.flatten()
     return (index + torch.arange(0, batch * width, width, device=index.device)[:, None]).flatten()
 
 
 def take_rows(values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``values[b, index[b, j]]`` (B, n, ...) with ``flat`` from :func:`flat_rows`: one
-    selection of whole entries (each slot's distribution at once), which on a CPU costs less than
-    advanced indexing, and much less with more rows (a gather would read an index per code)."""
+    selection of whole entries along the flattened first two axes (each slot's distribution is
+    taken at once, by one index per slot)."""
     batch = values.shape[0]
     return values.flatten(0, 1).index_select(0, flat).view(batch, -1, *values.shape[2:])
 
