@@ -2,13 +2,14 @@
 what it waits for in steady state; and the session benchmark at toy size."""
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sjd_core.models.hf_session import Context, DecoderParts, HFSession
+from sjd_core.models.hf_session import Context, DecoderParts, HFSession, cache_keyword
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 from sjd_core.models.session.kv_store import KVStore
 from sjd_core.tools import session_bench
@@ -64,6 +65,32 @@ def chain(t: int) -> torch.Tensor:
 
 PROMPT = [1, 5, 7, 2, 9]
 CODES = [4, 17, 33, 8, 0, 39, 12, 25, 6, 30, 2, 11]
+
+
+class _OlderBackbone(torch.nn.Module):
+    """A backbone whose forward takes the cache as ``past_key_values``, as transformers 5
+    releases before the rename do."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs_embeds=None, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=None, **kwargs):
+        return self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                          position_ids=position_ids, cache=past_key_values, use_cache=use_cache)
+
+
+@torch.no_grad()
+def test_a_backbone_that_takes_past_key_values_gets_the_cache_there(llama):
+    older = replace(parts(llama), backbone=_OlderBackbone(llama.model))
+    assert cache_keyword(older.backbone) == "past_key_values"
+    assert cache_keyword(llama.model) == "cache"
+    session = HFSession(older, [Context(ids=torch.tensor(PROMPT))], None, GRID)
+    slots = torch.arange(-1, 7)[None]
+    cond, _ = session.forward(torch.tensor([[0] + CODES[:7]]), slots, chain(8), [0])
+    torch.testing.assert_close(cond[0], reference_logits(llama, PROMPT, CODES, GRID[1])[:8],
+                               atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ key/value cache, persistent attention mask, keep, retain):
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,8 +69,9 @@ class DecoderParts:
     """The family-specific pieces of a transformers decoder.
 
     backbone: module called as ``backbone(inputs_embeds=, attention_mask=, position_ids=, cache=,
-        use_cache=True)`` returning an object with ``last_hidden_state`` (a ``LlamaModel``,
-        ``ChameleonModel``, Janus's ``language_model``...). It must use ``sdpa`` or ``eager``
+        use_cache=True)`` (``past_key_values=`` where its forward takes that instead) returning
+        an object with ``last_hidden_state`` (a ``LlamaModel``, ``ChameleonModel``, Janus's
+        ``language_model``...). It must use ``sdpa`` or ``eager``
         attention (flash attention cannot express tree masks).
     embed_tokens: token ids (any shape) -> input embeddings (shape + (dim,)).
     embed_codes: image codes (R, T) -> input embeddings (R, T, dim); an id offset or a separate
@@ -110,6 +112,14 @@ class StoreCache(Cache):
         return self.store.capacity
 
 
+def cache_keyword(backbone: nn.Module) -> str:
+    """The keyword ``backbone``'s forward takes the cache by: ``cache`` in newer transformers 5
+    releases, ``past_key_values`` in the earlier ones (an unknown keyword would be swallowed by
+    ``**kwargs``, and the layers would attend to the fed tokens alone)."""
+    return "cache" if "cache" in inspect.signature(backbone.forward).parameters \
+        else "past_key_values"
+
+
 class HFSession(SlotSession):
     """A prefilled cache for ``B`` images (and their unconditional rows) on a transformers decoder.
 
@@ -129,6 +139,7 @@ class HFSession(SlotSession):
                          prefix=[len(c) - 1 for c in contexts], start=[c.start for c in contexts],
                          max_nodes=max_nodes, device=parts.device, mask_dtype=parts.dtype)
         self._cache = StoreCache(self.store)
+        self._cache_keyword = cache_keyword(parts.backbone)
         with torch.no_grad():
             embeds = [self._embed(c) for c in contexts]
             self._start = torch.stack([e[-1] for e in embeds])  # (R, dim) slot -1 inputs
@@ -163,7 +174,7 @@ class HFSession(SlotSession):
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
              ) -> torch.Tensor:
         out = self.parts.backbone(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
-                                  cache=self._cache, use_cache=True)
+                                  use_cache=True, **{self._cache_keyword: self._cache})
         return out.last_hidden_state
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
