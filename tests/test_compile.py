@@ -183,6 +183,33 @@ def test_replayed_graphs_draw_the_eager_codes(model, replayed_graphs, monkeypatc
     assert captured.trace.meta["compile"]["recordings"] >= 1
 
 
+def test_auto_does_not_time_the_iterations_in_which_the_network_compiled(monkeypatch):
+    """Every tenth network call here compiles for half a second (as a new shape would, or a CUDA
+    graph recorded again after the cache moved); ``auto``'s times stay those of the network
+    running."""
+    import time
+
+    from sjd_core.decoding import planner
+
+    calls = [0]
+
+    def every_tenth_call_compiles(self, *tensors):
+        calls[0] += 1
+        if calls[0] % 10 == 0:
+            self.compilations += 1
+            time.sleep(0.5)
+        return self._eager(*tensors)
+
+    monkeypatch.setattr(CompiledNetwork, "__call__", every_tenth_call_compiles)
+    monkeypatch.setattr(planner, "_PROFILES", {})
+    model = SyntheticModel(codebook_size=32, grid=(16, 16), width=32, layers=1, heads=2,
+                           sharpness=2.0, seed=5)
+    run(model, replace(MODES["auto"], shape_cost="time", compile=True))
+    profile = next(iter(planner._PROFILES[model].values()))
+    assert calls[0] >= 40 and len(profile.seconds) >= 2
+    assert max(profile.seconds.values()) < 0.2, profile.seconds
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_compile_must_be_a_bool(value):
     with pytest.raises(ValueError, match=rf"compile={value!r} is not allowed: compile must be True "

@@ -188,6 +188,17 @@ def test_the_first_iteration_of_every_run_is_left_out_of_the_times():
                                     4: 0.004}
 
 
+def test_an_iteration_in_which_the_network_compiled_is_left_out_of_the_times():
+    """Compiling a shape (or recording its CUDA graph) takes far longer than the network runs;
+    timed, it would keep that shape out of the running for as long as it is not fed again."""
+    times = [0.010, 0.011, 5.0, 0.012]
+    plan = plan_for(times.__getitem__, adaptive_tree=False, proactive_drafting=False)
+    window = next(shape for shape in plan.shapes if shape.window == 16 and not shape.tree_levels)
+    for timed in (True, True, False, True):
+        plan.observe(window, [0], [2], True, (0, 0), timed=timed)
+    assert plan.profile.seconds == {16: pytest.approx(0.011 + 0.2 * (0.012 - 0.011))}
+
+
 def test_a_depth_few_drafts_reached_leans_on_the_rate_of_all_depths():
     """Drafts fail at 10% at every depth; depth 20 was reached twice and passed both times. Its
     estimate stays near 10% (the pooled rate), not near the 30% guess made before any test."""

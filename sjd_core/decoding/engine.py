@@ -352,11 +352,13 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     while decoder.rows:
         tree = plan.choose()
         warm = decoder.state is not None
+        compilations = 0 if compiled is None else compiled.compilations
         decoder.recorder.clock.mark()
         accepted = (decoder.autoregressive_step() if tree.window == 1
                     else decoder.speculative_step(tree))
         decoder.recorder.clock.mark()
-        plan.observe(tree, decoder.rows, accepted, warm, decoder.siblings)
+        plan.observe(tree, decoder.rows, accepted, warm, decoder.siblings,
+                     timed=compiled is None or compiled.compilations == compilations)
         shape = describe_shape(tree)
         decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1

@@ -51,10 +51,11 @@ class Plan(Protocol):
         ...
 
     def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
-                siblings: tuple[int, int]) -> None:
+                siblings: tuple[int, int], timed: bool = True) -> None:
         """What the iteration just fed as ``tree`` committed for each image ``rows[i]``;
         ``warm`` is False when its drafts were only just initialised; ``siblings``: PD
-        candidates 2..K tested along the accepted paths, and how many of them passed."""
+        candidates 2..K tested along the accepted paths, and how many of them passed;
+        ``timed`` False: its time says nothing of its shape's cost (the network compiled)."""
         ...
 
     def notes(self) -> dict:
@@ -74,7 +75,7 @@ class FixedPlan:
         return self.tree
 
     def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
-                siblings: tuple[int, int]) -> None:
+                siblings: tuple[int, int], timed: bool = True) -> None:
         return None
 
     def notes(self) -> dict:
@@ -362,7 +363,7 @@ class AutoPlan:
 
     # ------------------------------------------------------------------ learning
     def observe(self, tree: DraftTree, rows: list[int], accepted: list[int], warm: bool,
-                siblings: tuple[int, int]) -> None:
+                siblings: tuple[int, int], timed: bool = True) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
         if tree.tree_levels:
@@ -373,8 +374,9 @@ class AutoPlan:
             self._count(tree, np.asarray(accepted))
         self.codes_done += sum(accepted) / len(accepted)
         # a run's first iteration is not timed: a shape's first forward in a process or after
-        # the prefill can take several times its usual time, which would stay in its estimate
-        if not self.untimed and self.run > 1:
+        # the prefill can take several times its usual time, which would stay in its estimate;
+        # nor is one in which the network compiled a shape (seconds, against milliseconds)
+        if not self.untimed and self.run > 1 and timed:
             self.pending.append((self.iteration, tree.size))
         self.iteration += 1
         still = []

@@ -43,7 +43,8 @@ tensor means old row ``rows[i]``.
 
 Compiling: with the ``compile`` setting on, the engine calls the session's ``compile_network()``
 before the first forward; the session then runs its network compiled, and the object it returns
-tells the trace how that went (``report()``: shapes compiled, shapes run uncompiled, a failure).
+tells the trace how that went (``report()``: shapes compiled, shapes run uncompiled, a failure)
+and counts the calls that compiled (``compilations``: ``auto`` does not time those iterations).
 
 Warnings: a session may carry ``warnings``, a list of sentences about how the request was read
 (for example a prompt that named nothing the model reads); the engine copies them into the
@@ -162,7 +163,8 @@ class DecodingSession(Protocol):
 
     def compile_network(self) -> object:
         """Run the network of later forwards compiled; an object whose ``report()`` is a dict for
-        the trace (see the module docstring)."""
+        the trace and whose ``compilations`` counts the calls that compiled (see the module
+        docstring)."""
         ...
 
 

@@ -47,7 +47,8 @@ class CompiledNetwork:
     """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module).
 
     shapes: the fed shapes that ran compiled; ``eager_shapes``: those that ran eagerly because
-    ``MAX_COMPILED_SHAPES`` were compiled already; ``failure``: why compiling stopped, a
+    ``MAX_COMPILED_SHAPES`` were compiled already; ``compilations``: calls that compiled a shape
+    (each takes far longer than the network runs); ``failure``: why compiling stopped, a
     sentence for the run's warnings (None while it works).
     """
 
@@ -56,6 +57,7 @@ class CompiledNetwork:
         self.shapes: set[tuple] = set()
         self.eager_shapes: set[tuple] = set()
         self.failure: str | None = None
+        self.compilations = 0
         try:
             self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
@@ -67,6 +69,7 @@ class CompiledNetwork:
             self.eager_shapes.add(shape)
         if self.failure is not None or shape in self.eager_shapes:
             return self._eager(*tensors)
+        self.compilations += shape not in self.shapes
         try:
             with torch._dynamo.config.patch(recompile_limit=PROCESS_GRAPHS,
                                             fail_on_recompile_limit_hit=True):
@@ -129,6 +132,7 @@ class CapturedNetwork:
         self.shapes: set[tuple] = set()
         self.eager_shapes: set[tuple] = set()
         self.recordings = 0
+        self.compilations = 0  # calls that recorded a graph (as ``CompiledNetwork`` counts them)
         self.failure: str | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
@@ -152,6 +156,7 @@ class CapturedNetwork:
             return hidden
         self.shapes.add(shape)
         self.recordings += 1
+        self.compilations = self.recordings
         return hidden
 
     def _on_side_stream(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
