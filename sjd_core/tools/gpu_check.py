@@ -96,7 +96,7 @@ def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> Chamele
             value.fill_(1.0 if name.endswith("weight") else 0.0)
         else:
             value.normal_(0.0, 0.02, generator=generator)
-        set_module_tensor_to_device(model, name, device, value=value)
+        set_module_tensor_to_device(model, name, device, value=value, dtype=dtype)
     model.to(device)
     vqgan = VQGANDecoder(size.vqgan).to(device).eval()
     resolutions = lumina_resolutions(768)
