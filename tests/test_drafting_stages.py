@@ -113,9 +113,8 @@ def _traced(function):
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("window", [3, 6])
 def test_init_rules_trace_as_one_graph(rule, window):
-    """Called as the engine calls them: with the fewest slots committed in a row and the first
-    offset that may be new, which at window 3 put every slot above a new one in the committed
-    rows; neither may steer the drafts by a branch on the host."""
+    """Rows that committed different numbers of slots (at window 3 every slot above a new one is
+    committed in some rows): the rule is one tensor expression, no branch on the host."""
     committed = [6, 2, 9]
     state, canvas, uniforms, fill = _state_and_canvas(3, committed, window)
     eager = WindowState(*state.parts())
@@ -124,8 +123,8 @@ def test_init_rules_trace_as_one_graph(rule, window):
     def drafts(tokens, q, source, fed, codes, done, anchor, targets, uniforms, fill):
         state = WindowState(tokens, q, source, fed)
         canvas = Canvas(codes, torch.arange(3) * (SLOTS + 1), done, anchor, WIDTH, SLOTS,
-                        targets, min(committed))
-        initial_drafts(rule, state, fill, canvas, uniforms, 2)
+                        targets)
+        initial_drafts(rule, state, fill, canvas, uniforms)
         return state.tokens, state.q, state.source
 
     traced = _traced(drafts)(state.tokens, state.q, state.source, state.fed, canvas.codes,

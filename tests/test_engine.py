@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sjd_core.decoding.drafting import ABOVE_INIT, ABOVE_TARGET_INIT, Canvas, WindowState, \
-    initial_drafts
+from sjd_core.decoding.drafting import Canvas, WindowState
 from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
@@ -84,29 +83,8 @@ def _state_and_canvas(seed: int, committed: list[int], window: int, width: int =
     row_start = torch.arange(batch) * (slots + 1)
     targets = torch.rand(batch, width + 1, vocab, generator=generator).softmax(-1)
     done = torch.tensor(committed)
-    canvas = Canvas(codes, row_start, done, codes[row_start + done - 1], width, slots, targets,
-                    fewest_committed=min(committed))
+    canvas = Canvas(codes, row_start, done, codes[row_start + done - 1], width, slots, targets)
     return state, canvas, torch.rand(batch, window, generator=generator).clamp_min(1e-6)
-
-
-@pytest.mark.parametrize("init", ["above", "above_target"])
-def test_drafts_copied_from_the_committed_row_above_equal_the_general_rule(init):
-    """With every slot above the new offsets committed, ``initial_drafts`` drafts only those
-    offsets; told nothing about the committed counts (``fewest_committed`` 0) it takes the
-    general way. Both give the same tokens, q and sources."""
-    for seed, committed in enumerate(([6], [9, 14], [20, 7, 30])):
-        made = []
-        for fewest in (min(committed), 0):
-            state, canvas, uniforms = _state_and_canvas(seed, committed, window=6)
-            canvas.fewest_committed = fewest
-            initial_drafts(init, state, ~state.fed, canvas, uniforms, first=3)
-            made.append(state)
-        fast, general = made
-        assert torch.equal(fast.tokens, general.tokens)
-        assert torch.equal(fast.q, general.q)
-        assert torch.equal(fast.source, general.source)
-        assert (fast.source[:, 3:] == (ABOVE_TARGET_INIT if init == "above_target"
-                                       else ABOVE_INIT)).all()
 
 
 def test_a_window_state_resized_keeps_its_first_offsets_and_adds_undrafted_ones():
@@ -115,25 +93,6 @@ def test_a_window_state_resized_keeps_its_first_offsets_and_adds_undrafted_ones(
     assert torch.equal(shorter.tokens, state.tokens[:, :4]) and shorter.q.shape == (2, 4, 11)
     assert torch.equal(longer.q[:, :6], state.q) and torch.equal(longer.fed[:, :6], state.fed)
     assert not longer.fed[:, 6:].any() and longer.q.shape == (2, 9, 11)
-
-
-@pytest.mark.parametrize("preset", ["pac+vp", "auto"])
-def test_new_drafts_are_only_needed_past_the_offset_the_engine_names(model, monkeypatch, preset):
-    """The engine tells the init rule from which offset on slots may be new (the window minus
-    the most slots a row committed last time); no slot before it is ever undrafted."""
-    import sjd_core.decoding.engine as engine_module
-
-    firsts = []
-    rule = engine_module.initial_drafts
-
-    def checked(init, state, fill, canvas, uniforms, first=0):
-        assert not fill[:, :first].any(), (first, fill)
-        firsts.append(first)
-        rule(init, state, fill, canvas, uniforms, first)
-
-    monkeypatch.setattr(engine_module, "initial_drafts", checked)
-    generate(model, request(3), SAMPLING, AccelerationSettings.preset(preset, window=9), seed=2)
-    assert max(firsts) > 0
 
 
 def test_same_seed_and_settings_give_the_same_codes(model):

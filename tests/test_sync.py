@@ -155,10 +155,6 @@ def test_relaxed_acceptance_waits_as_the_lossless_modes(model, mode, monkeypatch
     assert waits.reads.max() <= most_reads and waits.copies.max() <= most_copies
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sjd_core/decoding/drafting.py:151 (DraftTree.build's on_device, owned elsewhere): each of "
-    "a shape's nine tables reaches the device with torch.as_tensor(..., device=device), a "
-    "blocking copy on CUDA, so auto's set-up waits nine times per shape it considers (16 here)"))
 def test_auto_sets_up_its_shapes_without_waiting_per_shape(model, monkeypatch):
     """``auto`` builds many shapes before it starts; setting them up should wait on the device
     no more often than setting up a fixed mode's one shape."""

@@ -17,6 +17,7 @@ import torch
 
 from .sampling import (MIN_MASS, NEGLIGIBLE, flush_negligible, kth_largest, passes,
                        race_top, residual, sample)
+from ..transfer import host_to_device
 from .settings import AccelerationSettings
 
 _MEAN_FLOOR = 1e-30  # past means below count as this: keeps growth finite where a code had 0
@@ -147,13 +148,15 @@ class DraftTree:
         inner_index = np.full(size, -1, dtype=np.int64)
         inner_index[inner] = np.arange(len(inner))
 
-        def on_device(values, dtype=np.int64) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values, dtype=dtype), device=device)
-
-        return DraftTree(window, profile, levels, branching, on_device(parent), on_device(depth),
-                         on_device(source), on_device(child_table),
-                         on_device(ancestors, bool), ancestors, on_device(route),
-                         on_device(inner), on_device(inner_index))
+        tables = host_to_device({"parent": np.asarray(parent, dtype=np.int64),
+                                 "depth": np.asarray(depth, dtype=np.int64),
+                                 "source": np.asarray(source, dtype=np.int64), "child_table": child_table,
+                                 "ancestors": ancestors, "route": route,
+                                 "inner": np.asarray(inner, dtype=np.int64),
+                                 "inner_index": inner_index}, device)
+        return DraftTree(window, profile, levels, branching, tables["parent"], tables["depth"],
+                         tables["source"], tables["child_table"], tables["ancestors"], ancestors,
+                         tables["route"], tables["inner"], tables["inner_index"])
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).
@@ -242,7 +245,6 @@ class Canvas:
     width: int
     slots: int  # per image
     column_targets: torch.Tensor | None = None
-    fewest_committed: int = 0  # not read here: the engine still passes it (see initial_drafts)
 
     def targets_above(self, slot: torch.Tensor) -> torch.Tensor:
         """(B, n, V) the targets held for the columns of the slots ``slot`` (B, n)."""
@@ -251,7 +253,7 @@ class Canvas:
 
 
 def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Canvas,
-                   uniforms: torch.Tensor, first: int = 0) -> None:
+                   uniforms: torch.Tensor) -> None:
     """Draft the slots about to be fed for the first time (``fill`` (B, W) True) by the init
     rule, in place: made just before their first forward, they use all that is committed.
 
@@ -266,8 +268,6 @@ def initial_drafts(rule: str, state: WindowState, fill: torch.Tensor, canvas: Ca
     ``above_target``: a draw from the committed target of the slot above, q that target; where
     the slot above is not committed yet, ``above``; the first row falls back to ``left``.
     ``uniforms`` (B, W) in (0, 1] make the random draws. Other offsets keep their drafts.
-    ``first`` (no offset before it is in ``fill``) is not read: ``fill`` alone says which
-    offsets are drafted, the same way whatever the committed counts.
     """
     tokens, q, source = _drafts_by_rule(rule, state, fill, canvas, uniforms)
     state.tokens = torch.where(fill, tokens, state.tokens)

@@ -101,7 +101,6 @@ class _Decoder:
                                     else model.codebook_embeddings().to(device))
         self.guidance = SlotGuidance(sampling, self.height, self.width, device)
         self.state: WindowState | None = None  # drafts; None after plain autoregressive steps
-        self.new_from = 0  # window offsets before this one all have drafts made from a target
         # per column, the target of the last committed slot (+ a column that absorbs the rest)
         self.column_targets = (torch.zeros(batch, self.width + 1, self.vocab, device=device)
                                if acceleration.init == "above_target" else None)
@@ -139,10 +138,9 @@ class _Decoder:
         settings, batch = self.acceleration, len(self.rows)
         window, vocab = tree.window, self.vocab
         if self.state is None:
-            self.state, self.new_from = WindowState.empty(
-                batch, window, vocab, self.device, settings.verification_prediction), 0
+            self.state = WindowState.empty(batch, window, vocab, self.device,
+                                           settings.verification_prediction)
         elif self.state.tokens.shape[1] != window:
-            self.new_from = min(self.new_from, window)
             self.state = self.state.resized(window)
         numbers = IterationUniforms.take(self.random, tree.size, tree.branching, window,
                                          tree.tree_levels, vocab)
@@ -200,7 +198,6 @@ class _Decoder:
                               verdict.sibling_passes.sum()[None]]).tolist()
             self.done, self.siblings = host[:-2], (host[-2], host[-1])
         gained = [now - before for before, now in zip(previous, self.done)]
-        self.new_from = window - max(gained)  # the offsets shifted in are the only new ones
         return gained
 
     def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:
@@ -218,8 +215,8 @@ class _Decoder:
 
     def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
         canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
-                        self.slots, self.column_targets, min(self.done))
-        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms, self.new_from)
+                        self.slots, self.column_targets)
+        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms)
 
     # ------------------------------------------------------------------ batch
     def drop_finished(self) -> None:
