@@ -42,6 +42,16 @@ class SJDAccelerationOptions:
                 "optional": {name: field_widget(AccelerationSettings, name)
                              for name in OPTIONAL_ACCELERATION}}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, compile: object = None) -> bool | str:
+        """compile: its combo's values, or True / False, which workflows saved while it was an
+        on/off toggle hold."""
+        choices = field_widget(AccelerationSettings, "compile")[0]
+        if compile is None or isinstance(compile, bool) or compile in choices:
+            return True
+        return (f"compile={compile!r} is not allowed: compile must be one of {choices} ("
+                f"'{choices[0]}': compiled on CUDA only).")
+
     def options(self, **widgets: object) -> tuple[AccelerationOptions]:
         """Keep every setting; a switch left 'as mode' is left out for the preset to decide."""
         switch_names = switches()

@@ -86,10 +86,12 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                    "passes = forward passes, every shape of at most 'window' nodes counting as "
                    "one (for a GPU with room to spare: window and tree then share that node "
                    "budget). Lossless either way.", None, None, None),
-    "compile": ("Run the network compiled with torch.compile (CUDA graphs on CUDA, inductor on "
-                "the CPU), one graph per shape fed, at most 8 per run. The first run pays the "
-                "compile time (tens of seconds or more); if compiling fails the run goes on "
-                "uncompiled with a warning in the summary. Lossless: the logits differ from "
+    "compile": ("Run the network compiled, one graph per shape fed, at most 8 per run. On "
+                "CUDA it is recorded as CUDA graphs (about a second per shape; a 7B model's "
+                "step ran several times faster on an H200); elsewhere torch.compile's inductor "
+                "compiles it (tens of seconds or more per shape on the first run, then about "
+                "1.3x). 'on CUDA' (default): on for CUDA only. If compiling fails the run goes "
+                "on uncompiled with a warning in the summary. Lossless: the logits differ from "
                 "uncompiled ones only by float rounding, so a draw may flip on a long image and "
                 "the rest of it differ, from the same distribution.", None, None, None),
     "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
@@ -109,6 +111,8 @@ WIDGET_DEFAULTS = {"guidance": 3.0}
 # field that may be None -> the widget value that stands for None (below the field's range)
 NONE_WIDGET_VALUES = {"lantern_neighbours": 0, "lantern_delta": -1.0}
 OWN_WINDOW = 0  # the sampler's window value that keeps the mode's own window
+# a setting True, False or None -> the combo label that stands for None (its default)
+NONE_SWITCH_LABELS = {"compile": "on CUDA"}
 
 
 def mode_label(preset: str) -> str:
@@ -162,7 +166,10 @@ def _lowest(name: str) -> float:
 
 def setting_value(cls: type, name: str, value: object) -> object:
     """The setting behind a widget value: None for a value below the range of a field that may
-    be None (see ``NONE_WIDGET_VALUES``), the value itself otherwise."""
+    be None (see ``NONE_WIDGET_VALUES``) or for the label of ``NONE_SWITCH_LABELS``, True and
+    False for "on" and "off" there, the value itself otherwise."""
+    if name in NONE_SWITCH_LABELS:
+        return {NONE_SWITCH_LABELS[name]: None, **SWITCH_VALUES}.get(value, value)
     kind = typing.get_type_hints(cls)[name]
     if _number_or_none(kind) is not None and isinstance(value, (int, float)) \
             and value < _lowest(name):
@@ -180,6 +187,9 @@ def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
     if is_lossy(name):
         tooltip = LOSSY + tooltip
     default = WIDGET_DEFAULTS.get(name, _default(field))
+    if name in NONE_SWITCH_LABELS:
+        return ([NONE_SWITCH_LABELS[name], *SWITCH_VALUES],
+                {"default": NONE_SWITCH_LABELS[name], "tooltip": tooltip})
     number = _number_or_none(kind)
     if number is not None:
         kind = number

@@ -378,7 +378,8 @@ CASES = [
     Case("AC switch as text", accelerate(adaptive_continuation="false"), ValueError,
          r"adaptive_continuation='false' is not allowed: .* must be True or False", generates),
     Case("compile as text", accelerate(compile="on"), ValueError,
-         r"compile='on' is not allowed: compile must be True or False", generates),
+         r"compile='on' is not allowed: compile must be True, False or None \(on for CUDA "
+         r"only\)", generates),
     Case("init of 100,000 characters", accelerate(init="x" * 100_000), ValueError,
          r"init='x{20,200}\.\.\. \(100,000 characters\) is not allowed: init must be one of",
          generates),

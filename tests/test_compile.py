@@ -210,10 +210,10 @@ def test_auto_does_not_time_the_iterations_in_which_the_network_compiled(monkeyp
     assert max(profile.seconds.values()) < 0.2, profile.seconds
 
 
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_compile_must_be_a_bool(value):
-    with pytest.raises(ValueError, match=rf"compile={value!r} is not allowed: compile must be True "
-                                         "or False"):
+@pytest.mark.parametrize("value", [1, "yes", "on"])
+def test_compile_must_be_a_bool_or_none(value):
+    with pytest.raises(ValueError, match=rf"compile={value!r} is not allowed: compile must be "
+                                         r"True, False or None \(on for CUDA only\)"):
         AccelerationSettings(compile=value)
 
 

@@ -163,14 +163,24 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     assert choice.custom.guidance_schedule == "constant" and choice.custom.guidance == 5.0
 
 
-def test_compile_is_an_optional_switch_that_saved_workflows_leave_off():
+def test_compile_is_an_optional_choice_on_for_cuda_that_saved_toggles_still_set():
     (kind, options), = AccelerationOptions.INPUT_TYPES()["optional"].values()
     assert list(AccelerationOptions.INPUT_TYPES()["optional"]) == ["compile"]
-    assert (kind, options["default"]) == ("BOOLEAN", False)
-    assert "torch.compile" in options["tooltip"] and "Lossless" in options["tooltip"]
-    assert acceleration().settings("auto", None).compile is False  # saved before it existed
-    assert acceleration(compile=True).settings("ar", None) == AccelerationSettings.preset(
-        "ar", compile=True)
+    assert (kind, options["default"]) == (["on CUDA", "on", "off"], "on CUDA")
+    assert "CUDA graphs" in options["tooltip"] and "Lossless" in options["tooltip"]
+    assert acceleration().settings("auto", None).compile is None  # saved before it existed
+    for value, setting in (("on CUDA", None), ("on", True), ("off", False), (True, True),
+                           (False, False)):  # True / False: saved while it was a toggle
+        assert AccelerationOptions.VALIDATE_INPUTS(compile=value) is True
+        assert acceleration(compile=value).settings("ar", None) == AccelerationSettings.preset(
+            "ar", compile=setting)
+    assert AccelerationOptions.VALIDATE_INPUTS(compile="always") == (
+        "compile='always' is not allowed: compile must be one of ['on CUDA', 'on', 'off'] ("
+        "'on CUDA': compiled on CUDA only).")
+    default = AccelerationSettings()
+    assert default.compiles_on("cuda") and not default.compiles_on("cpu")
+    assert AccelerationSettings(compile=True).compiles_on("cpu")
+    assert not AccelerationSettings(compile=False).compiles_on("cuda")
 
 
 def test_lantern_knobs_can_stay_scaled_to_the_codebook():

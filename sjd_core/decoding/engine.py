@@ -340,7 +340,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     marks: list = []  # the recorder's clock, once the decoder exists
     max_nodes = largest_shape(acceleration)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
-    compiled = session.compile_network() if acceleration.compile else None
+    compiled = session.compile_network() if acceleration.compiles_on(device.type) else None
     plan: Plan = make_plan(acceleration, model, request, sampling, device,
                            lambda i: marks[0].seconds_between(4 * i, 4 * i + 3),
                            session.grid_height * session.grid_width)

@@ -143,12 +143,15 @@ class AccelerationSettings:
     shape_cost: what ``adaptive_shape`` spends per committed code: ``time``, as measured on this
         machine, or ``passes``: every shape of at most ``window`` nodes costs one forward pass (a
         device with room to spare), so the window and the tree share that node budget. Lossless.
-    compile: run the network compiled with ``torch.compile`` (CUDA graphs on CUDA, inductor
-        elsewhere), one graph per fed shape, at most 8 per generation (later shapes run
-        uncompiled). The first generation pays the compile time. Where compiling fails the run
-        goes on uncompiled, with a warning. Lossless: compiled logits differ from uncompiled
-        ones only by float rounding (about 1e-6 to 1e-5), so the distribution is the same, but on
-        a long image a draw may flip and the rest of that image differ, as between batch sizes.
+    compile: run the network compiled, one graph per fed shape, at most 8 per generation (later
+        shapes run uncompiled): on CUDA recorded as CUDA graphs (one launch per forward instead
+        of one per kernel, which bounds a decoding step of a large model), elsewhere compiled by
+        inductor (``torch.compile``), which costs seconds to minutes per shape on the first
+        generation. None (the default): on for CUDA only (see ``compiles_on``). Where compiling
+        fails the run goes on uncompiled, with a warning. Lossless: compiled logits differ from
+        uncompiled ones only by float rounding (about 1e-6 to 1e-5), so the distribution is the
+        same, but on a long image a draw may flip and the rest of that image differ, as between
+        batch sizes.
     """
 
     window: int = 16
@@ -170,7 +173,7 @@ class AccelerationSettings:
     adaptive_shape: bool = False
     adaptive_tree: bool = False
     shape_cost: ShapeCost = "time"
-    compile: bool = False
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
@@ -229,9 +232,11 @@ class AccelerationSettings:
         for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
             _no_bool(name, getattr(self, name), "an integer")
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
-                     "adaptive_shape", "adaptive_tree", "compile"):
+                     "adaptive_shape", "adaptive_tree"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
+        require(self.compile is None or isinstance(self.compile, bool), "compile", self.compile,
+                 "True, False or None (on for CUDA only)")
         if self.proactive_drafting:
             nodes = tree_nodes(self.window, self.pd_candidates, self.pd_depth)
             require(nodes <= MAX_TREE_NODES, "pd_depth", self.pd_depth,
@@ -255,6 +260,12 @@ class AccelerationSettings:
             require(self.pd_candidates <= codebook_size, "pd_candidates", self.pd_candidates,
                      f"at most the model's codebook size ({codebook_size}): a slot has no more "
                      "distinct codes to try")
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether the network runs compiled on a device of this type (``"cuda"``, ``"cpu"``...):
+        ``compile``, or where it is None, on CUDA only (CUDA graphs pay from the first
+        generation on; inductor's compile time pays only over many images)."""
+        return device_type == "cuda" if self.compile is None else self.compile
 
     @property
     def lossless(self) -> bool:

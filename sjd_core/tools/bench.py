@@ -318,10 +318,9 @@ def _run(args: argparse.Namespace) -> list[dict]:
     if args.setting == "hot":
         sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
-    modes = {name: MODES[name] for name in args.modes.split(",")}
+    modes = {name: replace(MODES[name], compile=args.compile) for name in args.modes.split(",")}
     if args.compile:
-        modes = {name: replace(settings, compile=True) for name, settings in modes.items()}
-        modes[EAGER_AR] = MODES["AR"]
+        modes[EAGER_AR] = replace(MODES["AR"], compile=False)
     for acceleration in modes.values():  # before any mode (or generate()) runs a batch
         check_batch(model, GenerationRequest(prompt=prompts[0], batch_size=args.batch), sampling,
                     acceleration)
