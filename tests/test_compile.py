@@ -143,7 +143,7 @@ def test_a_captured_network_records_a_shape_once_and_replays_it_with_new_argumen
         replayed_graphs):
     cache = [torch.zeros(3)]
     network = CapturedNetwork(lambda x, columns: x * 2 + columns, torch.device("cuda"),
-                              lambda: tuple(cache))
+                              lambda: True, lambda: tuple(cache))
     assert torch.equal(network(torch.ones(2), torch.zeros(2)), torch.full((2,), 2.0))
     assert torch.equal(network(torch.full((2,), 3.0), torch.ones(2)), torch.full((2,), 7.0))
     assert len(replayed_graphs.recorded) == 1  # the second call replayed the first's graph
@@ -159,7 +159,7 @@ def test_a_captured_network_records_a_shape_once_and_replays_it_with_new_argumen
 
 def test_a_refused_recording_runs_eagerly_with_one_warning(model, replayed_graphs, monkeypatch):
     monkeypatch.setattr(replayed_graphs, "refuse", True)
-    network = CapturedNetwork(lambda x: x + 1, torch.device("cuda"), tuple)
+    network = CapturedNetwork(lambda x: x + 1, torch.device("cuda"), lambda: True, tuple)
     assert torch.equal(network(torch.zeros(2)), torch.ones(2))
     assert torch.equal(network(torch.zeros(3)), torch.ones(3))
     failure = network.report()["failure"]
@@ -173,14 +173,43 @@ def test_replayed_graphs_draw_the_eager_codes(model, replayed_graphs, monkeypatc
     """The session passes its network every tensor that changes per forward (a replay runs on
     copies of the arguments the graph was recorded with)."""
     eager = run(model, MODES[mode], batch=2)
-    def captured_on_the_cpu(network, device):
-        return CapturedNetwork(network, device, network.__self__.store.settled_buffers)
+    def captured_on_the_cpu(network, device, ready):
+        return CapturedNetwork(network, device, ready, network.__self__.store.buffers)
 
     monkeypatch.setattr(slot_session, "CompiledNetwork", captured_on_the_cpu)
     monkeypatch.setattr(compiled, "MAX_COMPILED_SHAPES", 64)
     captured = run(model, replace(MODES[mode], compile=True), batch=2)
     assert torch.equal(captured.codes, eager.codes)
-    assert captured.trace.meta["compile"]["recordings"] >= 1
+    report = captured.trace.meta["compile"]
+    assert report["recordings"] >= 1 and report["failure"] is None
+    alone = run(model, replace(MODES[mode], compile=True))  # one image: the cache never moves
+    report = alone.trace.meta["compile"]
+    assert report["recordings"] == report["compiled_shapes"] >= 1  # one graph per shape
+
+
+def test_until_the_cache_is_settled_the_network_runs_eagerly(replayed_graphs, monkeypatch):
+    """After an empty prefill the first forward allocates the cache and the next joins it: a
+    graph recorded or compiled then would hold a path the later forwards do not take."""
+    settled = [False]
+    captured = CapturedNetwork(lambda x: x + 1, torch.device("cuda"), lambda: settled[0], tuple)
+    calls = []
+
+    def counted_compile(network, **options):
+        def compiled_network(*tensors):
+            calls.append(tensors[0].shape)
+            return network(*tensors)
+        return compiled_network
+
+    monkeypatch.setattr(torch, "compile", counted_compile)
+    compiled_network = CompiledNetwork(lambda x: x + 1, torch.device("cpu"), lambda: settled[0])
+    for network in (captured, compiled_network):
+        assert torch.equal(network(torch.zeros(2)), torch.ones(2))
+        assert network.compilations == 0 and not network.shapes
+    settled[0] = True
+    for network in (captured, compiled_network):
+        network(torch.zeros(2))
+        assert network.compilations == 1 and len(network.shapes) == 1
+    assert len(replayed_graphs.recorded) == 1 and len(calls) == 1
 
 
 def test_auto_does_not_time_the_iterations_in_which_the_network_compiled(monkeypatch):

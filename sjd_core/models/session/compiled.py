@@ -44,7 +44,9 @@ def _failure(error: Exception) -> str:
 
 
 class CompiledNetwork:
-    """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module).
+    """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module);
+    eager until ``ready()`` (a forward that allocates the cache would compile a path the later
+    ones do not take, and the next one compile again).
 
     shapes: the fed shapes that ran compiled; ``eager_shapes``: those that ran eagerly because
     ``MAX_COMPILED_SHAPES`` were compiled already; ``compilations``: calls that compiled a shape
@@ -52,8 +54,9 @@ class CompiledNetwork:
     sentence for the run's warnings (None while it works).
     """
 
-    def __init__(self, network: Network, device: torch.device) -> None:
-        self._eager = network
+    def __init__(self, network: Network, device: torch.device,
+                 ready: Callable[[], bool] = lambda: True) -> None:
+        self._eager, self._ready = network, ready
         self.shapes: set[tuple] = set()
         self.eager_shapes: set[tuple] = set()
         self.failure: str | None = None
@@ -67,7 +70,7 @@ class CompiledNetwork:
         shape = _shape_of(tensors)
         if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
             self.eager_shapes.add(shape)
-        if self.failure is not None or shape in self.eager_shapes:
+        if self.failure is not None or shape in self.eager_shapes or not self._ready():
             return self._eager(*tensors)
         self.compilations += shape not in self.shapes
         try:
@@ -117,15 +120,17 @@ class CapturedNetwork:
     later calls copy their arguments there and replay. ``buffers()`` gives the tensors the network
     writes in place (the cache): a graph holds their addresses, so when they change (the cache
     grew, rows left the batch) every graph is dropped and recorded again when next needed.
+    Until ``ready()`` (the cache allocated and settled), calls run eagerly: a recording must not
+    allocate or move the cache.
 
     shapes: the fed shapes that ran as graphs; ``eager_shapes``: those that ran eagerly because
     ``MAX_COMPILED_SHAPES`` were recorded already; ``recordings``: graphs recorded (re-recordings
     included); ``failure``: why recording stopped, a sentence for the run's warnings.
     """
 
-    def __init__(self, network: Network, device: torch.device,
+    def __init__(self, network: Network, device: torch.device, ready: Callable[[], bool],
                  buffers: Callable[[], tuple[torch.Tensor, ...]]) -> None:
-        self._eager, self._buffers, self._device = network, buffers, device
+        self._eager, self._ready, self._buffers, self._device = network, ready, buffers, device
         self._stream: torch.cuda.Stream | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
@@ -139,7 +144,7 @@ class CapturedNetwork:
         shape = _shape_of(tensors)
         if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
             self.eager_shapes.add(shape)
-        if self.failure is not None or shape in self.eager_shapes:
+        if self.failure is not None or shape in self.eager_shapes or not self._ready():
             return self._eager(*tensors)
         addresses = tuple(buffer.data_ptr() for buffer in self._buffers())
         if addresses != self._addresses:
@@ -148,6 +153,8 @@ class CapturedNetwork:
         if shape in self._graphs:
             return self._graphs[shape].replay(tensors)
         hidden = self._on_side_stream(tensors)
+        if not self._ready() or addresses != tuple(b.data_ptr() for b in self._buffers()):
+            return hidden  # that run allocated or moved the cache: record at the next call
         try:
             self._graphs[shape] = _Graph(self._eager, tensors, self._stream)
         except Exception as error:  # recording refused an operation: eager from here on

@@ -60,11 +60,15 @@ class KVStore:
         cached_values[rows, :, columns] = values.transpose(1, 2)
         return cached_keys, cached_values
 
-    def settled_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The tensors holding every layer's entries, once the layers held apart are joined:
-        what a captured network writes in place (a new tensor here means a new address)."""
-        if self._apart:
-            self.join()
+    @property
+    def settled(self) -> bool:
+        """Whether the layers have their storage, joined: from then on a forward allocates
+        nothing and takes no branch that an earlier one did not (what compiling needs)."""
+        return bool(self._groups) and not self._apart
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding every layer's entries: what the network writes in place (a new
+        tensor here means a new address)."""
         return tuple(self._groups)
 
     def join(self) -> None:

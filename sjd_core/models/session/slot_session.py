@@ -132,9 +132,10 @@ class SlotSession(DecodingSession):
         inductor elsewhere. Returns what tells how compiling went."""
         if self.device.type == "cuda":
             self._network = CapturedNetwork(self._network_step, self.device,
-                                            self.store.settled_buffers)
+                                            lambda: self.store.settled, self.store.buffers)
         else:
-            self._network = CompiledNetwork(self._network_step, self.device)
+            self._network = CompiledNetwork(self._network_step, self.device,
+                                            lambda: self.store.settled)
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
