@@ -104,9 +104,8 @@ def _floor_of_sorted(ascending: torch.Tensor, need: int) -> torch.Tensor:
 def flush_negligible(probabilities: torch.Tensor) -> torch.Tensor:
     """Set probabilities below ``NEGLIGIBLE`` to 0.
 
-    They carry no measurable mass, and float32 values that small are subnormal, which makes
-    every later CPU operation on them many times slower. One operation (a threshold), not a
-    comparison and a fill.
+    They carry no measurable mass, and float32 values that small are subnormal, which slows
+    arithmetic on them on many processors.
     """
     return torch.nn.functional.threshold(probabilities, _LAST_FLUSHED, 0.0)
 

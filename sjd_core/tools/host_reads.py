@@ -48,7 +48,7 @@ class HostReads(TorchFunctionMode):
     """
 
     READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-             "masked_select", "unique", "argwhere", "__len__"}
+             "masked_select", "unique", "argwhere"}
     VIEWS = {"numpy", "__array__"}
     COPIES = {"to", "cuda", "cpu", "copy_"}
     FROM_HOST_DATA = {"tensor", "as_tensor", "asarray", "new_tensor"}
