@@ -178,3 +178,12 @@ def test_vp_history_update_traces_as_one_graph():
     traced = _traced(update)(*state.parts(), targets, known, has_target)
     for got, want in zip(traced, (fused, eager.vp_history, eager.vp_known)):
         assert torch.equal(got, want)
+
+
+def test_a_window_state_resized_keeps_its_first_offsets_and_adds_undrafted_ones():
+    state, _, _, _ = _state_and_canvas(0, [9, 14], window=6)
+    shorter, longer = state.resized(4), state.resized(9)
+    assert torch.equal(shorter.tokens, state.tokens[:, :4])
+    assert shorter.q.shape == (2, 4, VOCAB)
+    assert torch.equal(longer.q[:, :6], state.q) and torch.equal(longer.fed[:, :6], state.fed)
+    assert not longer.fed[:, 6:].any() and longer.q.shape == (2, 9, VOCAB)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from sjd_core.decoding.drafting import Canvas, WindowState
 from sjd_core.decoding.engine import generate
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
@@ -67,32 +66,6 @@ def test_greedy_codes_are_ar_s_with_the_rules_that_copy_from_above(model, init):
                      AccelerationSettings.preset("auto", window=9, init=init)):
         result = generate(model, request(2), GREEDY, settings, seed=5)
         assert torch.equal(result.codes, reference), settings
-
-
-def _state_and_canvas(seed: int, committed: list[int], window: int, width: int = 6,
-                      vocab: int = 11) -> tuple[WindowState, Canvas, torch.Tensor]:
-    """A random window state over a grid of ``width`` columns whose rows have committed
-    ``committed`` slots, the offsets past 2 not fed yet, and random column targets."""
-    generator = torch.Generator().manual_seed(seed)
-    batch, slots = len(committed), 36
-    state = WindowState.empty(batch, window, vocab, torch.device("cpu"), False)
-    state.tokens = torch.randint(vocab, (batch, window), generator=generator)
-    state.q = torch.rand(batch, window, vocab, generator=generator).softmax(-1)
-    state.fed[:, :3] = True
-    codes = torch.randint(vocab, (batch * (slots + 1),), generator=generator)
-    row_start = torch.arange(batch) * (slots + 1)
-    targets = torch.rand(batch, width + 1, vocab, generator=generator).softmax(-1)
-    done = torch.tensor(committed)
-    canvas = Canvas(codes, row_start, done, codes[row_start + done - 1], width, slots, targets)
-    return state, canvas, torch.rand(batch, window, generator=generator).clamp_min(1e-6)
-
-
-def test_a_window_state_resized_keeps_its_first_offsets_and_adds_undrafted_ones():
-    state, _, _ = _state_and_canvas(0, [9, 14], window=6)
-    shorter, longer = state.resized(4), state.resized(9)
-    assert torch.equal(shorter.tokens, state.tokens[:, :4]) and shorter.q.shape == (2, 4, 11)
-    assert torch.equal(longer.q[:, :6], state.q) and torch.equal(longer.fed[:, :6], state.fed)
-    assert not longer.fed[:, 6:].any() and longer.q.shape == (2, 9, 11)
 
 
 def test_same_seed_and_settings_give_the_same_codes(model):

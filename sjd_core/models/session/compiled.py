@@ -43,7 +43,26 @@ def _failure(error: Exception) -> str:
             "distribution, only slower)")
 
 
-class CompiledNetwork:
+class _PerShape:
+    """What both ways of compiling keep: the shapes compiled and those run eagerly past the cap,
+    the calls that compiled, the failure; and which calls run eagerly."""
+
+    def __init__(self, network: Network, ready: Callable[[], bool]) -> None:
+        self._eager, self._ready = network, ready
+        self.shapes: set[tuple] = set()
+        self.eager_shapes: set[tuple] = set()
+        self.compilations = 0
+        self.failure: str | None = None
+
+    def _runs_eagerly(self, shape: tuple) -> bool:
+        """Whether a call of ``shape`` runs uncompiled: after a failure, past the cap of
+        ``MAX_COMPILED_SHAPES`` (recorded in ``eager_shapes``), or before ``ready()``."""
+        if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
+            self.eager_shapes.add(shape)
+        return self.failure is not None or shape in self.eager_shapes or not self._ready()
+
+
+class CompiledNetwork(_PerShape):
     """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module);
     eager until ``ready()`` (a forward that allocates the cache would compile a path the later
     ones do not take, and the next one compile again).
@@ -56,11 +75,7 @@ class CompiledNetwork:
 
     def __init__(self, network: Network, device: torch.device,
                  ready: Callable[[], bool] = lambda: True) -> None:
-        self._eager, self._ready = network, ready
-        self.shapes: set[tuple] = set()
-        self.eager_shapes: set[tuple] = set()
-        self.failure: str | None = None
-        self.compilations = 0
+        super().__init__(network, ready)
         try:
             self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
@@ -68,9 +83,7 @@ class CompiledNetwork:
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _shape_of(tensors)
-        if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
-            self.eager_shapes.add(shape)
-        if self.failure is not None or shape in self.eager_shapes or not self._ready():
+        if self._runs_eagerly(shape):
             return self._eager(*tensors)
         self.compilations += shape not in self.shapes
         try:
@@ -111,7 +124,7 @@ class _Graph:
         return self.output
 
 
-class CapturedNetwork:
+class CapturedNetwork(_PerShape):
     """``network(*tensors)`` recorded as one CUDA graph per fed shape and replayed (see the
     module).
 
@@ -130,21 +143,16 @@ class CapturedNetwork:
 
     def __init__(self, network: Network, device: torch.device, ready: Callable[[], bool],
                  buffers: Callable[[], tuple[torch.Tensor, ...]]) -> None:
-        self._eager, self._ready, self._buffers, self._device = network, ready, buffers, device
+        super().__init__(network, ready)
+        self._buffers, self._device = buffers, device
         self._stream: torch.cuda.Stream | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
-        self.shapes: set[tuple] = set()
-        self.eager_shapes: set[tuple] = set()
         self.recordings = 0
-        self.compilations = 0  # calls that recorded a graph (as ``CompiledNetwork`` counts them)
-        self.failure: str | None = None
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _shape_of(tensors)
-        if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
-            self.eager_shapes.add(shape)
-        if self.failure is not None or shape in self.eager_shapes or not self._ready():
+        if self._runs_eagerly(shape):
             return self._eager(*tensors)
         addresses = tuple(buffer.data_ptr() for buffer in self._buffers())
         if addresses != self._addresses:
