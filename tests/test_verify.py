@@ -249,3 +249,23 @@ def test_half_precision_logits_over_16384_codes_stay_exact(dtype, candidates):
     print(f"\n{dtype}, K = {candidates}: code frequencies {torch.bincount(codes)[:4].tolist()} "
           f"of {len(codes)}, p = {value:.3g}")
     assert value > 1e-3
+
+
+@pytest.mark.parametrize("settings", [AccelerationSettings(window=6),
+                                      AccelerationSettings(window=6, proactive_drafting=True,
+                                                           pd_candidates=3, pd_depth=3)],
+                         ids=["chain", "tree"])
+def test_verification_traces_as_one_graph(settings, monkeypatch):
+    """The verifier is one stage of the iteration's device step: no value read back, no branch
+    on one, no write into a view (``fullgraph=True`` fails on any of them)."""
+    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)  # its check reads the weights back
+    tree, *tensors = _case(4, settings, batch=8)
+    rule = ExactAcceptance()
+
+    def verified(*tensors):
+        verdict = verify_tree(tree, *tensors, rule, count_siblings=True)
+        return verdict.path, verdict.accepted, verdict.tokens, verdict.kinds, verdict.on_path
+
+    traced = torch.compile(verified, fullgraph=True, backend="eager", dynamic=False)
+    for got, want in zip(traced(*tensors), verified(*tensors)):
+        assert torch.equal(got, want)
