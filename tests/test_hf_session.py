@@ -81,11 +81,17 @@ class _OlderBackbone(torch.nn.Module):
                           position_ids=position_ids, cache=past_key_values, use_cache=use_cache)
 
 
+class _PassesItOn(torch.nn.Module):
+    def forward(self, inputs_embeds=None, **decoder_inputs):
+        return decoder_inputs
+
+
 @torch.no_grad()
 def test_a_backbone_that_takes_past_key_values_gets_the_cache_there(llama):
     older = replace(parts(llama), backbone=_OlderBackbone(llama.model))
     assert cache_keyword(older.backbone) == "past_key_values"
     assert cache_keyword(llama.model) == "cache"
+    assert cache_keyword(_PassesItOn()) == "cache"
     session = HFSession(older, [Context(ids=torch.tensor(PROMPT))], None, GRID)
     slots = torch.arange(-1, 7)[None]
     cond, _ = session.forward(torch.tensor([[0] + CODES[:7]]), slots, chain(8), [0])

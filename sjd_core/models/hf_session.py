@@ -113,11 +113,13 @@ class StoreCache(Cache):
 
 
 def cache_keyword(backbone: nn.Module) -> str:
-    """The keyword ``backbone``'s forward takes the cache by: ``cache`` in newer transformers 5
-    releases, ``past_key_values`` in the earlier ones (an unknown keyword would be swallowed by
-    ``**kwargs``, and the layers would attend to the fed tokens alone)."""
-    return "cache" if "cache" in inspect.signature(backbone.forward).parameters \
-        else "past_key_values"
+    """The keyword ``backbone``'s forward takes the cache by: ``past_key_values`` where it names
+    that and not ``cache`` (transformers 5 releases before the rename; there ``cache`` would be
+    swallowed by ``**kwargs``, and the layers would attend to the fed tokens alone), else
+    ``cache`` (a forward that passes ``**kwargs`` on is taken to be a newer one)."""
+    parameters = inspect.signature(backbone.forward).parameters
+    return "past_key_values" if "past_key_values" in parameters and "cache" not in parameters \
+        else "cache"
 
 
 class HFSession(SlotSession):
