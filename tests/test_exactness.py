@@ -23,12 +23,14 @@ import torch
 from exactness import (conditional_logits, enumerate_joint, goodness_of_fit, joint_from_logits,
                        loop_verify_tree, sample_images, target_distribution, tiny_model,
                        tiny_sampling, verdict_of_path)
-from sjd_core.decoding import drafting, engine, guidance, planner, verify
+from sjd_core.decoding import drafting, engine, guidance, planner, stages, verify
 from sjd_core.decoding.drafting import (DraftTree, WindowState, add_candidates,
                                         draw_from_target_above)
 from sjd_core.decoding.sampling import (MASS_UNIT, mass_units, nucleus_floor, process, residual,
                                         sample)
+from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.models.protocol import GenerationRequest
 
 SAMPLES = 20_000  # images per lossless mode, all in one generate call
 POWER_SAMPLES = 20_000
@@ -71,6 +73,11 @@ MODES = {
     "auto, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True), seed=115),
     "auto per pass, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True,
                                               shape_cost="passes"), seed=116),
+    # the network compiled (inductor here): its logits differ from eager ones by rounding only
+    "ar, compiled": Mode(dict(window=1, compile=True), seed=117),
+    "sjd+ac+pd+vp K4 D3, compiled": Mode(dict(PD | VP, window=6, pd_candidates=4, pd_depth=3,
+                                              adaptive_continuation=True, compile=True),
+                                         seed=118),
 }
 ADAPTIVE = "auto, adaptive tree"  # the mode whose shapes include uneven trees
 
@@ -259,6 +266,15 @@ def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
     assert value > PASS_P
 
 
+@pytest.mark.parametrize("mode", [name for name in MODES if name.endswith(", compiled")])
+def test_the_compiled_modes_run_compiled(model, mode):
+    """The distribution tests of the compiled modes test compiled networks, not a fallback."""
+    result = generate(model, GenerationRequest(prompt="a red fox", batch_size=4),
+                      tiny_sampling(), settings_of(mode), seed=0)
+    report = result.trace.meta["compile"]
+    assert report["failure"] is None and report["compiled_shapes"] >= 1, report
+
+
 def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):
     """``auto`` switches shapes between iterations (window length, tree on and off) with the
     drafts carried over; here every iteration picks one of its shapes at random, so each
@@ -440,20 +456,20 @@ def _siblings_on_path(tree: DraftTree, verdict, node_valid: torch.Tensor):
 # ------------------------------------------------------------------ power: broken variants
 def vp_verified_against_p(monkeypatch):
     """VP drafts drawn from q' but recorded (and so verified) as drawn from the target p."""
-    exact_redraft = engine.redraft
+    exact_redraft = stages.redraft
 
     def verified_against_target(state, targets, has_target, *args):
         state = exact_redraft(state, targets, has_target, *args)
         state.q = torch.where(has_target[..., None], targets, state.q)
         return state
 
-    monkeypatch.setattr(engine, "redraft", verified_against_target)
+    monkeypatch.setattr(stages, "redraft", verified_against_target)
 
 
 def siblings_from_a_residual(monkeypatch):
     """Siblings 2..K drawn from AC's residual ``norm(max(0, q_new - q_old))`` but verified as if
     drawn from ``q_new`` without the first candidate (the published code's rule)."""
-    exact_redraft, exact_top = engine.redraft, drafting.race_top
+    exact_redraft, exact_top = stages.redraft, drafting.race_top
     previous_q = {}
 
     def remember_previous_q(state, *args):
@@ -473,7 +489,7 @@ def siblings_from_a_residual(monkeypatch):
             previous_q["q"] = previous_q["q"][going_on]
         exact_drop(decoder)
 
-    monkeypatch.setattr(engine, "redraft", remember_previous_q)
+    monkeypatch.setattr(stages, "redraft", remember_previous_q)
     monkeypatch.setattr(drafting, "race_top", siblings_from_residual)
     monkeypatch.setattr(engine._Decoder, "drop_finished", drop_finished)
 
@@ -510,7 +526,7 @@ def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, fina
 
 
 def longest_accepted_row(monkeypatch):
-    monkeypatch.setattr(engine, "verify_tree", longest_row_verify)
+    monkeypatch.setattr(stages, "verify_tree", longest_row_verify)
 
 
 def ratio_scaled_by_1_2(monkeypatch):
@@ -552,7 +568,7 @@ def siblings_with_replacement(monkeypatch):
 
 def last_accepted_child(monkeypatch):
     """All candidates of a node are tested, and the last accepted one is taken."""
-    monkeypatch.setattr(engine, "verify_tree",
+    monkeypatch.setattr(stages, "verify_tree",
                         lambda *args, **_: loop_verify_tree(*args, take="last"))
 
 
@@ -667,7 +683,7 @@ def test_every_broken_variant_is_tested_in_a_tested_mode():
 def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
     """The broken tree rule equals the exact rule when there is no tree (K = 1), so its
     rejection above comes from the tree rule itself, not from a mistake in the replacement."""
-    monkeypatch.setattr(engine, "verify_tree", longest_row_verify)
+    monkeypatch.setattr(stages, "verify_tree", longest_row_verify)
     value = p_value(model, joint, "sjd", seed_offset=CONTROL)
     print(f"\nlongest-row verifier on a chain: p = {value:.3g}")
     assert value > PASS_P
@@ -683,7 +699,7 @@ def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
 
 def test_loop_verifier_with_the_exact_rule_passes(model, joint, monkeypatch):
     """The replacement used for 'the last accepted child wins' is exact with take='first'."""
-    monkeypatch.setattr(engine, "verify_tree", loop_verify_tree)
+    monkeypatch.setattr(stages, "verify_tree", loop_verify_tree)
     value = p_value(model, joint, "sjd+pd K4 D3", seed_offset=CONTROL)
     print(f"\nloop verifier, first accepted child: p = {value:.3g}")
     assert value > PASS_P

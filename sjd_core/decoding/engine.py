@@ -1,10 +1,10 @@
-"""The decoding loop: draft -> forward -> verify -> commit, one iteration at a time.
+"""The decoding loop: draft -> feed -> verify -> commit -> advance, one iteration at a time.
 
 One loop serves every mode. Each iteration a plan (:mod:`.planner`) picks the shape to feed:
 window 1 is plain autoregression, which takes a lean step (one node, the target sampled, nothing
 drafted or verified); a longer window, with or without a proactive-drafting tree, takes the
-speculative step, where AC, PD, VP and relaxed acceptance change only how drafts are made
-(:mod:`.drafting`) and tested (:mod:`.verify`). A fixed mode's plan always picks its own shape;
+speculative step, whose device stages are :mod:`.stages` (AC, PD, VP and relaxed acceptance
+change only how drafts are made, :mod:`.drafting`, and tested, :mod:`.verify`). A fixed mode's plan always picks its own shape;
 ``auto`` picks the shape that should commit the most codes per second, from what it measured in
 the iterations before (so the choice never depends on the iteration's own draws, and every
 lossless shape, chosen this way, stays exact).
@@ -28,14 +28,14 @@ import torch
 from ..messages import quote
 from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
-from .drafting import NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, initial_drafts, \
-    flat_rows, redraft, shift_window, take_rows
+from .drafting import Canvas, DraftTree, WindowState
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
-from .sampling import IterationUniforms, RowRandom, exponential, process, sample
+from .sampling import IterationUniforms, RowRandom, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
+from .stages import Commit, advance, commit, draft, verify
 from .trace import Trace, TraceRecorder
-from .verify import BONUS, acceptance_rule, verify_tree
+from .verify import Verdict, acceptance_rule
 
 
 @dataclass
@@ -129,76 +129,62 @@ class _Decoder:
         return [1] * len(self.rows)
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
-        """Feed the drafts as ``tree``, verify them, commit the accepted path, redraft.
+        """Draft the window as ``tree``, feed it, verify it, commit the accepted path, advance
+        the window (the stages of :mod:`.stages`), then read the committed counts back once.
 
         The drafts held are those of the window fed now: where ``auto`` feeds a shorter window
         than the iteration before, the drafts past it are dropped (keeping them would cost every
         iteration a shift and a redraft of slots it does not feed); a longer one starts its new
         offsets undrafted."""
-        settings, batch = self.acceleration, len(self.rows)
-        window, vocab = tree.window, self.vocab
+        self._fit_window(tree.window)
+        numbers = IterationUniforms.take(self.random, tree.size, tree.branching, tree.window,
+                                         tree.tree_levels, self.vocab)
+        drafts = draft(self.state, tree, self._canvas(), self.acceleration.init, numbers)
+        node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
+        cond, uncond = self.session.forward(drafts.tokens, node_slots, tree.host_ancestors,
+                                            self.done, self.recorder.clock.mark)
+        target, verdict = verify(tree, cond, uncond, self.sampling,
+                                 self.guidance.after(node_slots), drafts, self.state.q, numbers,
+                                 self.rule, self.acceleration.adaptive_shape)
+        made = commit(tree, target, verdict, drafts, self.committed, self.row_start, self.codes,
+                      self.column_targets, self.slots, self.width)
+        self._record(target, verdict, made)
+        self.session.keep(verdict.on_path & (tree.depth < made.count))
+        self.state, self.committed, self.anchor = advance(
+            self.state, tree, target, verdict, made.count, self.committed, self.acceleration,
+            numbers)
+        return self._read_committed(verdict)
+
+    def _fit_window(self, window: int) -> None:
+        """A window state of ``window`` offsets: empty after plain autoregressive steps, cut or
+        extended (new offsets undrafted) when the window changed."""
         if self.state is None:
-            self.state = WindowState.empty(batch, window, vocab, self.device,
-                                           settings.verification_prediction)
+            self.state = WindowState.empty(len(self.rows), window, self.vocab, self.device,
+                                           self.acceleration.verification_prediction)
         elif self.state.tokens.shape[1] != window:
             self.state = self.state.resized(window)
-        numbers = IterationUniforms.take(self.random, tree.size, tree.branching, window,
-                                         tree.tree_levels, vocab)
-        self._initial_drafts(~self.state.fed, numbers.init)
-        node_tokens, node_valid, node_source = add_candidates(
-            self.state, tree, exponential(numbers.race) if tree.tree_levels else None)
-        node_tokens[:, 0] = self.anchor
-        node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
-        cond, uncond = self.session.forward(node_tokens, node_slots, tree.host_ancestors,
-                                            self.done, self.recorder.clock.mark)
-        target = process(cond, uncond, self.sampling, self.guidance.after(node_slots))
-        verdict = verify_tree(tree, target, node_tokens, node_valid, self.state.q, numbers.tests,
-                              numbers.final, self.rule,
-                              count_siblings=self.acceleration.adaptive_shape)
 
-        offsets = torch.arange(window, device=self.device)
-        count = torch.minimum(verdict.accepted + 1, self.slots - self.committed)[:, None]  # (B, 1)
-        tested = node_source.gather(1, verdict.drafted)
-        sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
-        window_slots = self.committed[:, None] + offsets
-        committing = offsets < count
-        writes = self.row_start[:, None] + torch.where(committing, window_slots, self.slots)
-        self.codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
-        if self.column_targets is not None:
-            # a column takes the target of its latest committed slot (the last grid row's), so
-            # that no column is written twice; the others go to the spare column
-            latest = committing & (offsets >= count - self.width)
-            columns = torch.where(latest, window_slots % self.width, self.width)
-            self.column_targets.view(-1, vocab).index_copy_(
-                0, flat_rows(columns, self.column_targets.shape[1]),
-                take_rows(target, flat_rows(verdict.path, tree.size)).flatten(0, 1))
-        self.recorder.entered_window(self.iteration, self.row_start[:, None] + window_slots
+    def _record(self, target: torch.Tensor, verdict: Verdict, made: Commit) -> None:
+        """The trace's records of the iteration (and VP's bet, where counted)."""
+        self.recorder.entered_window(self.iteration, self.row_start[:, None] + made.window_slots
                                      .clamp_max(self.slots))
-        self.recorder.committed_slots(self.iteration, writes,
+        self.recorder.committed_slots(self.iteration, made.writes,
                                       target.amax(-1).gather(1, verdict.path), verdict.kinds,
-                                      verdict.probability, sources)
+                                      verdict.probability, made.sources)
         if self.count_vp_rises:
-            self._count_rises(verdict.tokens, committing)
+            self._count_rises(verdict.tokens, made.committing)
 
-        self.session.keep(verdict.on_path & (tree.depth < count))
-
-        self.committed = self.committed + count[:, 0]
-        self.anchor = verdict.tokens.gather(1, count - 1)[:, 0]  # the last code committed
-        new_offsets = offsets + count
-        has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
-        moved_from = new_offsets.clamp_max(window - 1)
-        shifted = shift_window(self.state, moved_from, has_target)
-        stale = take_rows(target, flat_rows(verdict.path.gather(1, moved_from), tree.size))
-        self.state = redraft(shifted, stale, has_target, settings, numbers.keep, numbers.draw)
+    def _read_committed(self, verdict: Verdict) -> list[int]:
+        """The iteration's one read: the committed counts (and PD's sibling counts, in the same
+        read); returns the slots each row gained."""
         previous = self.done
         if verdict.sibling_tests is None:
             self.done, self.siblings = self.committed.tolist(), (0, 0)
-        else:  # the same one read brings the PD sibling counts along
+        else:
             host = torch.cat([self.committed, verdict.sibling_tests.sum()[None],
                               verdict.sibling_passes.sum()[None]]).tolist()
             self.done, self.siblings = host[:-2], (host[-2], host[-1])
-        gained = [now - before for before, now in zip(previous, self.done)]
-        return gained
+        return [now - before for before, now in zip(previous, self.done)]
 
     def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:
         """VP's bet, checked: for the slots committed now that had a history, whether the
@@ -213,10 +199,10 @@ class _Decoder:
         self.recorder.count_rises(counted, rose, likeliest.values >= 0,
                                   likeliest.indices == committed)
 
-    def _initial_drafts(self, fill: torch.Tensor, uniforms: torch.Tensor) -> None:
-        canvas = Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
-                        self.slots, self.column_targets)
-        initial_drafts(self.acceleration.init, self.state, fill, canvas, uniforms)
+    def _canvas(self) -> Canvas:
+        """What the init rules may look at: the committed codes and the columns' targets."""
+        return Canvas(self.codes, self.row_start, self.committed, self.anchor, self.width,
+                      self.slots, self.column_targets)
 
     # ------------------------------------------------------------------ batch
     def drop_finished(self) -> None:

@@ -1,0 +1,108 @@
+"""The device stages of one speculative iteration: draft, (feed), verify, commit, advance.
+
+Each stage is a function of tensors and fixed settings only: it reads nothing back to the host,
+takes no branch on a tensor's value and makes no shape that depends on one, so each traces as
+one graph (``torch.compile(fullgraph=True)``, ``tests/test_stages.py``) and can be captured per
+tree shape. Feeding is the session's ``forward``: its host layout of the fed tokens, then the
+network, compiled or captured per fed shape on its own (:mod:`..models.session.compiled`). The
+engine (:meth:`.engine._Decoder.speculative_step`) calls them in that order, keeps the trace and
+reads the committed counts back once, after ``advance``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafting import (NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, flat_rows,
+                       initial_drafts, redraft, shift_window, take_rows)
+from .sampling import IterationUniforms, exponential, process
+from .settings import AccelerationSettings, SamplingSettings
+from .verify import BONUS, Verdict, verify_tree
+
+__all__ = ["Commit", "Drafts", "advance", "commit", "draft", "verify"]
+
+
+@dataclass
+class Drafts:
+    """What one iteration feeds, per row and tree node."""
+
+    tokens: torch.Tensor  # (B, T) the fed codes; node 0 is the last committed code
+    valid: torch.Tensor  # (B, T) whether each node is a candidate in play
+    source: torch.Tensor  # (B, T) the window offset or PD candidate each node's code came from
+
+
+@dataclass
+class Commit:
+    """Where one iteration's committed codes went, for the trace and the session's keep."""
+
+    count: torch.Tensor  # (B, 1) slots committed per row
+    window_slots: torch.Tensor  # (B, W) the slot of each window offset
+    committing: torch.Tensor  # (B, W) the offsets committed now
+    writes: torch.Tensor  # (B, W) flat indices into the codes (a spare slot where not committing)
+    sources: torch.Tensor  # (B, W) int8: how each committed code's draft was made
+
+
+def draft(state: WindowState, tree: DraftTree, canvas: Canvas, rule: str,
+          numbers: IterationUniforms) -> Drafts:
+    """Draft the window's slots that have none yet by the init rule (``state`` in place), then
+    the tree's nodes: each offset's draft, and PD's further candidates at the tree levels."""
+    initial_drafts(rule, state, ~state.fed, canvas, numbers.init)
+    tokens, valid, source = add_candidates(
+        state, tree, exponential(numbers.race) if tree.tree_levels else None)
+    tokens[:, 0] = canvas.anchor
+    return Drafts(tokens, valid, source)
+
+
+def verify(tree: DraftTree, cond: torch.Tensor, uncond: torch.Tensor | None,
+           sampling: SamplingSettings, scale: float | torch.Tensor, drafts: Drafts,
+           q: torch.Tensor, numbers: IterationUniforms, rule,
+           count_siblings: bool) -> tuple[torch.Tensor, Verdict]:
+    """The target after every fed node (from the network's logits) and the verdict on the
+    drafts: the accepted path and the code drawn after it."""
+    target = process(cond, uncond, sampling, scale)
+    return target, verify_tree(tree, target, drafts.tokens, drafts.valid, q, numbers.tests,
+                               numbers.final, rule, count_siblings=count_siblings)
+
+
+def commit(tree: DraftTree, target: torch.Tensor, verdict: Verdict, drafts: Drafts,
+           committed: torch.Tensor, row_start: torch.Tensor, codes: torch.Tensor,
+           column_targets: torch.Tensor | None, slots: int, width: int) -> Commit:
+    """Write the accepted path and the code after it into ``codes`` (flat, rows of ``slots``
+    and a spare slot that takes every write past the image) and, where an init rule needs it,
+    each column's latest target into ``column_targets``."""
+    offsets = torch.arange(tree.window, device=committed.device)
+    count = torch.minimum(verdict.accepted + 1, slots - committed)[:, None]
+    tested = drafts.source.gather(1, verdict.drafted)
+    sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
+    window_slots = committed[:, None] + offsets
+    committing = offsets < count
+    writes = row_start[:, None] + torch.where(committing, window_slots, slots)
+    codes.scatter_(0, writes.flatten(), verdict.tokens.flatten())
+    if column_targets is not None:
+        # a column takes the target of its latest committed slot (the last grid row's), so
+        # that no column is written twice; the others go to the spare column
+        latest = committing & (offsets >= count - width)
+        columns = torch.where(latest, window_slots % width, width)
+        column_targets.view(-1, column_targets.shape[-1]).index_copy_(
+            0, flat_rows(columns, column_targets.shape[1]),
+            take_rows(target, flat_rows(verdict.path, tree.size)).flatten(0, 1))
+    return Commit(count, window_slots, committing, writes, sources)
+
+
+def advance(state: WindowState, tree: DraftTree, target: torch.Tensor, verdict: Verdict,
+            count: torch.Tensor, committed: torch.Tensor, settings: AccelerationSettings,
+            numbers: IterationUniforms) -> tuple[WindowState, torch.Tensor, torch.Tensor]:
+    """Move every row's window past what it committed and redraft the slots that now have a
+    (stale) target; the new state, committed counts and last committed codes."""
+    window = tree.window
+    offsets = torch.arange(window, device=committed.device)
+    anchor = verdict.tokens.gather(1, count - 1)[:, 0]
+    new_offsets = offsets + count
+    has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
+    moved_from = new_offsets.clamp_max(window - 1)
+    shifted = shift_window(state, moved_from, has_target)
+    stale = take_rows(target, flat_rows(verdict.path.gather(1, moved_from), tree.size))
+    return (redraft(shifted, stale, has_target, settings, numbers.keep, numbers.draw),
+            committed + count[:, 0], anchor)

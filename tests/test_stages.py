@@ -1,0 +1,88 @@
+"""The speculative iteration's device stages, called as the engine calls them in a real
+generation, each traced whole by ``torch.compile(fullgraph=True)``: a value read back, a branch
+on one or a data-dependent shape would break the graph and fail here; the traced stage must give
+what the engine's own call gave."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from sjd_core.decoding import engine, sampling, stages
+from sjd_core.decoding.engine import generate
+from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
+from sjd_core.models.protocol import GenerationRequest
+from sjd_core.models.synthetic import SyntheticModel
+
+SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
+CALLED_AT = 3  # the engine's call of each stage that is kept (the drafts are warm by then)
+MODES = {"sjd": AccelerationSettings.preset("sjd", window=6),
+         "pac+vp": AccelerationSettings.preset("pac+vp", window=6),
+         "above_target+ac": AccelerationSettings(window=6, init="above_target",
+                                                 adaptive_continuation=True),
+         "gsd": AccelerationSettings.preset("pac+vp", window=6, relaxed="gsd")}
+
+
+def _copied(value):
+    """``value`` with every tensor in it cloned (dataclasses, tuples and lists followed)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{f.name: _copied(getattr(value, f.name))
+                              for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(item) for item in value)
+    return value
+
+
+def _same(got, want) -> None:
+    """Equal tensors throughout (NaN where NaN)."""
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want) or torch.allclose(got, want, equal_nan=True, rtol=0, atol=0)
+    elif dataclasses.is_dataclass(want):
+        for field in dataclasses.fields(want):
+            _same(getattr(got, field.name), getattr(want, field.name))
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _same(a, b)
+    elif isinstance(want, np.ndarray):
+        assert np.array_equal(got, want)
+    else:
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def model() -> SyntheticModel:
+    return SyntheticModel(codebook_size=32, grid=(6, 6), width=32, layers=1, heads=2,
+                          sharpness=2.0, seed=5)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["draft", "verify", "commit", "advance"])
+def test_each_stage_traces_as_one_graph_and_gives_the_engines_result(model, mode, name,
+                                                                     monkeypatch):
+    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)  # its check reads the weights back
+    stage, kept = getattr(stages, name), {}
+
+    def keeping(*args, **kwargs):
+        kept["calls"] = kept.get("calls", 0) + 1
+        if kept["calls"] == CALLED_AT:
+            kept["inputs"] = _copied((args, kwargs))
+        result = stage(*args, **kwargs)
+        if kept["calls"] == CALLED_AT:
+            kept["outputs"] = _copied((result, args, kwargs))  # args: what it changed in place
+        return result
+
+    monkeypatch.setattr(engine, name, keeping)
+    generate(model, GenerationRequest(prompt="a red fox", batch_size=2), SAMPLING, MODES[mode],
+             seed=3)
+    assert kept["calls"] > CALLED_AT
+    args, kwargs = kept["inputs"]
+    traced = torch.compile(stage, fullgraph=True, backend="eager", dynamic=False)
+    with torch.inference_mode():
+        result = traced(*args, **kwargs)
+    _same((result, args, kwargs), kept["outputs"])
