@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..transfer import host_to_device
 from .sampling import (MIN_MASS, NEGLIGIBLE, flush_negligible, kth_largest, passes,
                        race_top, residual, sample)
-from ..transfer import host_to_device
 from .settings import AccelerationSettings
 
 _MEAN_FLOOR = 1e-30  # past means below count as this: keeps growth finite where a code had 0
@@ -70,6 +70,7 @@ class DraftTree:
     route: torch.Tensor  # (T, window) node at each depth on the path through a node (see build)
     inner_nodes: torch.Tensor  # (I,) nodes whose children are candidates (the PD tree's inside)
     inner_index: torch.Tensor  # (T,) position of each node in inner_nodes, -1 for the others
+    offsets: torch.Tensor  # (window,) the window's offsets 0 .. window - 1
 
     @property
     def size(self) -> int:
@@ -148,15 +149,16 @@ class DraftTree:
         inner_index = np.full(size, -1, dtype=np.int64)
         inner_index[inner] = np.arange(len(inner))
 
-        tables = host_to_device({"parent": np.asarray(parent, dtype=np.int64),
-                                 "depth": np.asarray(depth, dtype=np.int64),
-                                 "source": np.asarray(source, dtype=np.int64), "child_table": child_table,
-                                 "ancestors": ancestors, "route": route,
-                                 "inner": np.asarray(inner, dtype=np.int64),
-                                 "inner_index": inner_index}, device)
+        lists = {"parent": parent, "depth": depth, "source": source, "inner": inner,
+                 "offsets": range(window)}
+        tables = host_to_device({**{name: np.asarray(values, dtype=np.int64)
+                                    for name, values in lists.items()},
+                                 "child_table": child_table, "ancestors": ancestors,
+                                 "route": route, "inner_index": inner_index}, device)
         return DraftTree(window, profile, levels, branching, tables["parent"], tables["depth"],
                          tables["source"], tables["child_table"], tables["ancestors"], ancestors,
-                         tables["route"], tables["inner"], tables["inner_index"])
+                         tables["route"], tables["inner"], tables["inner_index"],
+                         tables["offsets"])
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).

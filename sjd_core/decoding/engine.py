@@ -4,8 +4,8 @@ One loop serves every mode. Each iteration a plan (:mod:`.planner`) picks the sh
 window 1 is plain autoregression, which takes a lean step (one node, the target sampled, nothing
 drafted or verified); a longer window, with or without a proactive-drafting tree, takes the
 speculative step, whose device stages are :mod:`.stages` (AC, PD, VP and relaxed acceptance
-change only how drafts are made, :mod:`.drafting`, and tested, :mod:`.verify`). A fixed mode's plan always picks its own shape;
-``auto`` picks the shape that should commit the most codes per second, from what it measured in
+change only how drafts are made, :mod:`.drafting`, and tested, :mod:`.verify`). A fixed mode's
+plan always picks its own shape; ``auto`` picks the shape that should commit the most codes per second, from what it measured in
 the iterations before (so the choice never depends on the iteration's own draws, and every
 lossless shape, chosen this way, stays exact).
 
@@ -215,7 +215,7 @@ class _Decoder:
             return
         index = host_to_device({"rows": np.asarray(going_on)}, self.device)["rows"]
         self.session.retain(going_on)
-        self.random.retain(going_on)
+        self.random.retain(going_on, index)
         self.rows = [self.rows[i] for i in going_on]
         self.done = [self.done[i] for i in going_on]
         self.row_start, self.committed, self.anchor = (

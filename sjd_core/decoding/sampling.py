@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..transfer import host_to_device
 from .settings import SamplingSettings
 
 MIN_MASS = 1e-12  # below this a distribution's mass counts as empty (see ``normalise``)
@@ -210,10 +209,11 @@ class RowRandom:
         self.used += count
         return out
 
-    def retain(self, rows: Sequence[int]) -> None:
-        """Keep the streams of these rows only (the others' images are finished)."""
+    def retain(self, rows: Sequence[int], index: torch.Tensor) -> None:
+        """Keep the streams of these rows only (the others' images are finished); ``index``:
+        ``rows`` on the device."""
         self.generators = [self.generators[row] for row in rows]
-        self.buffer = self.buffer[host_to_device({"rows": np.asarray(list(rows))}, self.device)["rows"]]
+        self.buffer = self.buffer[index]
 
 
 @dataclass

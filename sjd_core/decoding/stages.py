@@ -72,7 +72,7 @@ def commit(tree: DraftTree, target: torch.Tensor, verdict: Verdict, drafts: Draf
     """Write the accepted path and the code after it into ``codes`` (flat, rows of ``slots``
     and a spare slot that takes every write past the image) and, where an init rule needs it,
     each column's latest target into ``column_targets``."""
-    offsets = torch.arange(tree.window, device=committed.device)
+    offsets = tree.offsets
     count = torch.minimum(verdict.accepted + 1, slots - committed)[:, None]
     tested = drafts.source.gather(1, verdict.drafted)
     sources = torch.where(verdict.kinds == BONUS, NO_DRAFT, tested).to(torch.int8)
@@ -97,9 +97,8 @@ def advance(state: WindowState, tree: DraftTree, target: torch.Tensor, verdict: 
     """Move every row's window past what it committed and redraft the slots that now have a
     (stale) target; the new state, committed counts and last committed codes."""
     window = tree.window
-    offsets = torch.arange(window, device=committed.device)
     anchor = verdict.tokens.gather(1, count - 1)[:, 0]
-    new_offsets = offsets + count
+    new_offsets = tree.offsets + count
     has_target = new_offsets < window  # the offset was fed now: it has a (stale) target
     moved_from = new_offsets.clamp_max(window - 1)
     shifted = shift_window(state, moved_from, has_target)

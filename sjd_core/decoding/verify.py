@@ -373,8 +373,7 @@ def _verdict(tree: DraftTree, end: torch.Tensor, final: torch.Tensor, tests: _No
     path = tree.route.index_select(0, end)  # (B, W): the path, then the stale route below it
     accepted = tree.depth.index_select(0, end)
     drafted = torch.cat([path[:, 1:], path[:, -1:]], 1)  # offset j's draft: the path's next node
-    offsets = torch.arange(tree.window, device=end.device)
-    before_end, at_end = offsets < accepted[:, None], offsets == accepted[:, None]
+    before_end, at_end = tree.offsets < accepted[:, None], tree.offsets == accepted[:, None]
     tokens = torch.where(at_end, final[:, None], node_tokens.gather(1, drafted))
     tested_at_end = tests.tested.gather(1, end[:, None])
     accepted_kind = (ACCEPTED if tests.relaxed is None

@@ -71,8 +71,8 @@ class DecoderParts:
     backbone: module called as ``backbone(inputs_embeds=, attention_mask=, position_ids=, cache=,
         use_cache=True)`` (``past_key_values=`` where its forward takes that instead) returning
         an object with ``last_hidden_state`` (a ``LlamaModel``, ``ChameleonModel``, Janus's
-        ``language_model``...). It must use ``sdpa`` or ``eager``
-        attention (flash attention cannot express tree masks).
+        ``language_model``...). It must use ``sdpa`` or ``eager`` attention (flash attention
+        cannot express tree masks).
     embed_tokens: token ids (any shape) -> input embeddings (shape + (dim,)).
     embed_codes: image codes (R, T) -> input embeddings (R, T, dim); an id offset or a separate
         image embedding path.

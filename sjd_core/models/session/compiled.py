@@ -148,7 +148,6 @@ class CapturedNetwork(_PerShape):
         self._stream: torch.cuda.Stream | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
-        self.recordings = 0
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _shape_of(tensors)
@@ -170,9 +169,13 @@ class CapturedNetwork(_PerShape):
             self.failure = _failure(error).replace("torch.compile", "recording a CUDA graph")
             return hidden
         self.shapes.add(shape)
-        self.recordings += 1
-        self.compilations = self.recordings
+        self.compilations += 1
         return hidden
+
+    @property
+    def recordings(self) -> int:
+        """Graphs recorded, re-recordings included (each call that compiled recorded one)."""
+        return self.compilations
 
     def _on_side_stream(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The eager call, on the stream the graphs are recorded on (a recording follows a run
