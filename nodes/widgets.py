@@ -229,10 +229,15 @@ def chosen_window(value: int) -> int | None:
     return None if value == OWN_WINDOW else value
 
 
+# settings the nodes leave at their default: compiling the stages is not measured on a GPU yet
+TOOL_ONLY = ("compile_stages",)
+
+
 def acceleration_option_fields() -> list[str]:
     """The fields of the SJD Acceleration Options node: every AccelerationSettings field but
-    ``window``, which sits on the sampler."""
-    return [f.name for f in fields(AccelerationSettings) if f.name != "window"]
+    ``window``, which sits on the sampler, and those in ``TOOL_ONLY``."""
+    return [f.name for f in fields(AccelerationSettings)
+            if f.name != "window" and f.name not in TOOL_ONLY]
 
 
 def sampling_fields() -> list[str]:
@@ -243,4 +248,5 @@ def sampling_fields() -> list[str]:
 def switches() -> set[str]:
     """The on/off fields of AccelerationSettings (AC, PD, VP, and any added later)."""
     hints = typing.get_type_hints(AccelerationSettings)
-    return {f.name for f in fields(AccelerationSettings) if hints[f.name] is bool}
+    return {f.name for f in fields(AccelerationSettings)
+            if hints[f.name] is bool and f.name not in TOOL_ONLY}

@@ -380,6 +380,8 @@ CASES = [
     Case("compile as text", accelerate(compile="on"), ValueError,
          r"compile='on' is not allowed: compile must be True, False or None \(on for CUDA "
          r"only\)", generates),
+    Case("compile_stages as text", accelerate(compile_stages="yes"), ValueError,
+         r"compile_stages='yes' is not allowed: compile_stages must be True or False", generates),
     Case("init of 100,000 characters", accelerate(init="x" * 100_000), ValueError,
          r"init='x{20,200}\.\.\. \(100,000 characters\) is not allowed: init must be one of",
          generates),

@@ -1,11 +1,13 @@
-"""The ``compile`` setting: the network compiled per fed shape draws what eager draws.
+"""The ``compile`` and ``compile_stages`` settings: the network compiled per fed shape, and the
+speculative stages compiled whole, draw what eager draws.
 
 Compiled logits differ from eager ones only by float rounding; on this model and seed no draw
-flips, so the codes are bit-identical (on another model a draw may flip, as between batch sizes).
+flips, so the codes are bit-identical in every mode (on another model a draw may flip, as
+between batch sizes). AUTO chooses its shapes by forward passes here: by time its choice would
+follow the compiled speed, and the codes with it.
 
 Inductor compiles on a CPU take seconds per shape, so the model is the engine tests' small
-synthetic one with one layer, and the modes are few: AR, PAC+VP, and AUTO choosing its shapes by
-forward passes (by time its choice would follow the compiled speed, and the codes with it).
+synthetic one with one layer; the modes share the network's shapes, which compile once.
 """
 
 from dataclasses import replace
@@ -17,13 +19,20 @@ from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.decoding.trace import summary_text
 from sjd_core.models.protocol import GenerationRequest
-from sjd_core.models.session import compiled, slot_session
-from sjd_core.models.session.compiled import MAX_COMPILED_SHAPES, CapturedNetwork, CompiledNetwork
+from sjd_core import compiled
+from sjd_core.models.session import slot_session
+from sjd_core.compiled import (MAX_COMPILED_SHAPES, CapturedNetwork, CompiledNetwork,
+                               CompiledStages)
 from sjd_core.models.synthetic import SyntheticModel
 
 SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
 MODES = {"ar": AccelerationSettings.preset("ar"),
+         "sjd": AccelerationSettings.preset("sjd"),
+         "pac": AccelerationSettings.preset("pac"),
          "pac+vp": AccelerationSettings.preset("pac+vp"),
+         "above_target+ac": AccelerationSettings(init="above_target", adaptive_continuation=True),
+         "gsd": AccelerationSettings.preset("sjd", relaxed="gsd"),
+         "lantern": AccelerationSettings.preset("sjd", relaxed="lantern"),
          "auto": AccelerationSettings.preset("auto", shape_cost="passes")}
 
 
@@ -48,6 +57,62 @@ def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode):
     assert report["failure"] is None and compiled_run.trace.summary()["warnings"] == []
     assert 1 <= report["compiled_shapes"] <= MAX_COMPILED_SHAPES
     assert "compile" not in eager.trace.meta
+
+
+@pytest.mark.usefixtures("unchecked_draws")  # a compiled stage cannot read its weights back
+@pytest.mark.parametrize("mode, batch", [("pac+vp", 3), ("above_target+ac", 1)])
+def test_compiled_stages_draw_the_eager_codes(model, mode, batch):
+    """Draft, verify, commit and advance compiled whole (with the network uncompiled): the same
+    codes, at most three graphs per stage and tree shape (the first batch size, every other
+    one, and a single row), and rows that leave the batch add no shape."""
+    eager = run(model, MODES[mode], batch=batch)
+    compiled_run = run(model, replace(MODES[mode], compile_stages=True), batch=batch)
+    assert torch.equal(compiled_run.codes, eager.codes)
+    report = compiled_run.trace.meta["compile_stages"]
+    assert report["failure"] is None and compiled_run.trace.summary()["warnings"] == []
+    assert report["compiled_shapes"] == 1 and report["eager_shapes"] == 0
+    assert 4 <= report["graphs"] <= 3 * 4
+    assert "compile" not in compiled_run.trace.meta and "compile_stages" not in eager.trace.meta
+    again = run(model, replace(MODES[mode], compile_stages=True), batch=batch)
+    assert torch.equal(again.codes, eager.codes)
+    assert again.trace.meta["compile_stages"]["graphs"] == 0  # kept by torch for the process
+
+
+def test_a_stage_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):
+    def no_compiler(function, **options):
+        assert options == {"fullgraph": True}
+
+        def fails(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    result = run(model, AccelerationSettings.preset("pac+vp", compile_stages=True), batch=2)
+    assert torch.equal(result.codes,
+                       run(model, AccelerationSettings.preset("pac+vp"), batch=2).codes)
+    assert result.trace.summary()["warnings"] == [
+        "compile_stages=True: torch.compile failed (RuntimeError: InvalidCxxCompiler: No "
+        "working C++ compiler found), so the decoding stages ran uncompiled for the rest of "
+        "this generation (the same distribution, only slower)"]
+    assert result.trace.meta["compile_stages"]["compiled_shapes"] == 0
+
+
+def test_stage_shapes_past_the_cap_run_eagerly(monkeypatch):
+    compiled_calls = []
+
+    def counted_compile(function, **options):
+        def compiled_function(*args):
+            compiled_calls.append(args)
+            return function(*args)
+        return compiled_function
+
+    monkeypatch.setattr(torch, "compile", counted_compile)
+    stages = CompiledStages()
+    for shape in [*range(MAX_COMPILED_SHAPES + 2), 0]:
+        assert stages(torch.add, (shape,), torch.ones(2), shape).tolist() == [1.0 + shape] * 2
+    report = stages.report()
+    assert (report["compiled_shapes"], report["eager_shapes"]) == (MAX_COMPILED_SHAPES, 2)
+    assert [args[1] for args in compiled_calls] == [*range(MAX_COMPILED_SHAPES), 0]
 
 
 def test_a_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):

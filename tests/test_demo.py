@@ -87,6 +87,19 @@ def test_demo_compiled_is_held_to_the_faster_of_compiled_and_uncompiled_ar(tmp_p
     assert report["speedup"] <= fastest / report["seconds"] + 1e-9
 
 
+def test_bench_compile_stages_adds_a_row_per_speculative_mode(monkeypatch, capsys):
+    """Compiling is replaced by a pass-through here, to keep it fast."""
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    monkeypatch.setattr(bench, "transformers_generate", lambda *a: 1.0)
+    records = bench.main(["--images", "1", "--modes", "AR,SJD", "--threads", "1", "--compile",
+                          "--compile-stages"])
+    assert [r["mode"] for r in records] == ["transformers generate()", "AR", "SJD",
+                                            "SJD + stages", "AR eager"]
+    assert "SJD + stages first compiled image: " in capsys.readouterr().out
+
+
 def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     demo.main(["--prompt", "bag", "--mode", "ar", "--out", str(tmp_path)])
     assert 1 <= default_threads() <= 4
@@ -100,6 +113,7 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     (demo, ["--mode", "fastest"], "argument --mode: invalid choice: 'fastest'"),
     (bench, ["--modes", "AR,turbo"], "--modes='AR,turbo' is not allowed: ['turbo']"),
     (bench, ["--images", "0"], "--images=0 is not allowed"),
+    (bench, ["--compile-stages"], "--compile-stages is not allowed without --compile"),
     (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
     (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),
     (demo, ["--threads", "-1"], "--threads=-1 is not allowed: it must be >= 0"),

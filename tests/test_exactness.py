@@ -73,11 +73,12 @@ MODES = {
     "auto, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True), seed=115),
     "auto per pass, adaptive tree": Mode(dict(AUTO, window=6, adaptive_tree=True,
                                               shape_cost="passes"), seed=116),
-    # the network compiled (inductor here): its logits differ from eager ones by rounding only
+    # the network compiled (inductor here): its logits differ from eager ones by rounding only;
+    # and the speculative stages compiled whole, in a batch whose rows leave as they finish
     "ar, compiled": Mode(dict(window=1, compile=True), seed=117),
     "sjd+ac+pd+vp K4 D3, compiled": Mode(dict(PD | VP, window=6, pd_candidates=4, pd_depth=3,
-                                              adaptive_continuation=True, compile=True),
-                                         seed=118),
+                                              adaptive_continuation=True, compile=True,
+                                              compile_stages=True), seed=118),
 }
 ADAPTIVE = "auto, adaptive tree"  # the mode whose shapes include uneven trees
 
@@ -266,13 +267,25 @@ def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
     assert value > PASS_P
 
 
+@pytest.fixture(autouse=True)
+def draws_unchecked_where_stages_compile(request, monkeypatch):
+    """A compiled stage cannot read its weights back to check them (``CHECK_DRAWS``)."""
+    mode = getattr(request.node, "callspec", None) and request.node.callspec.params.get("mode")
+    if mode in MODES and MODES[mode].settings.get("compile_stages"):
+        monkeypatch.setattr("sjd_core.decoding.sampling.CHECK_DRAWS", False)
+
+
 @pytest.mark.parametrize("mode", [name for name in MODES if name.endswith(", compiled")])
 def test_the_compiled_modes_run_compiled(model, mode):
-    """The distribution tests of the compiled modes test compiled networks, not a fallback."""
+    """The distribution tests of the compiled modes test compiled networks and stages, not a
+    fallback."""
     result = generate(model, GenerationRequest(prompt="a red fox", batch_size=4),
                       tiny_sampling(), settings_of(mode), seed=0)
-    report = result.trace.meta["compile"]
-    assert report["failure"] is None and report["compiled_shapes"] >= 1, report
+    reports = [result.trace.meta["compile"]] + ([result.trace.meta["compile_stages"]]
+                                                if MODES[mode].settings.get("compile_stages")
+                                                else [])
+    for report in reports:
+        assert report["failure"] is None and report["compiled_shapes"] >= 1, report
 
 
 def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):

@@ -26,10 +26,11 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     assert cached == {"empty": 0, "half": (48 * 48 - 64) // 2, "full": 48 * 48 - 64}
     for forward in table["forwards"]:
         assert forward["host_ms"] > 0 and forward["busy_ms"] is None  # no device here
-    runs = {(run["mode"], run["compiled"]): run for run in table["runs"]}
-    assert list(runs) == [(mode, compiled) for mode in ("ar", "pac+vp", "auto")
-                          for compiled in (False, True)]
-    for (mode, _), run in runs.items():
+    runs = {(run["mode"], run["compiled"], run["stages"]): run for run in table["runs"]}
+    assert list(runs) == [("ar", False, False), ("ar", True, False),
+                          *((mode, compiled, stages) for mode in ("pac+vp", "auto")
+                            for compiled, stages in ((False, False), (True, False), (True, True)))]
+    for (mode, _, stages), run in runs.items():
         # plain autoregression commits exactly one code per iteration and reads nothing back;
         # the speculative modes read one value per iteration; nobody waits on a copy to the device
         assert run["reads_per_iteration"] == {"ar": 0.0, "pac+vp": 1.0}.get(mode, run[
@@ -38,10 +39,13 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
         assert run["codes_per_iteration"] >= 1.0
         assert 0 < run["host_ms_per_iteration"] <= run["ms_per_iteration"]
         assert run["busy_ms_per_iteration"] is None and run["warmup_seconds"] > 0
-        assert f"| {mode} {'compiled' if run['compiled'] else 'eager'} | " \
-               f"{run['ms_per_iteration']:.2f} |" in printed
-    assert runs[("ar", False)]["codes_per_iteration"] == 1.0
-    assert runs[("ar", True)]["codes_per_iteration"] == 1.0
+        assert f"| {gpu_check.run_name(run)} | {run['ms_per_iteration']:.2f} |" in printed
+        if stages:  # compiled for real, not a fallback
+            assert run["stage_graphs"]["failure"] is None and run["stage_graphs"]["graphs"] >= 4
+            assert run["codes_compared"] > 0
+    assert runs[("ar", False, False)]["codes_per_iteration"] == 1.0
+    assert runs[("ar", True, False)]["codes_per_iteration"] == 1.0
+    assert "| pac+vp compiled + stages | " in printed
     assert "codes per second against the faster" in printed
     assert table["peak_memory_gib"] is None  # no CUDA here
 

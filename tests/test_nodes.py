@@ -139,7 +139,9 @@ def test_every_size_a_family_offers_is_a_resolution_choice(tmp_path):
 def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     fields = list(AccelerationSettings.__dataclass_fields__)
     inputs = AccelerationOptions.INPUT_TYPES()["required"]
-    assert list(inputs) == [name for name in fields if name not in ("window", "compile")]
+    # compile is optional (below); compile_stages, not measured on a GPU yet, is for the tools
+    assert list(inputs) == [name for name in fields
+                            if name not in ("window", "compile", "compile_stages")]
     lossy = [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
     assert len(lossy) == 6
     assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)

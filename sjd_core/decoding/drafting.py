@@ -460,5 +460,7 @@ def redraft(state: WindowState, targets: torch.Tensor, has_target: torch.Tensor,
         tokens = sample(draw_from, draw)
         source = torch.full_like(state.tokens, fresh_source, dtype=torch.int8)
     state.tokens, state.q, state.source = tokens, draw_from, source
-    state.fed = has_target
+    # a tensor of its own: with VP, vp_known is has_target, and arguments that alias each other
+    # would compile a stage a second time
+    state.fed = has_target.clone()
     return state

@@ -28,6 +28,7 @@ import torch
 from ..messages import quote
 from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
+from ..compiled import CompiledStages
 from .drafting import Canvas, DraftTree, WindowState
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
@@ -81,7 +82,8 @@ class _Decoder:
 
     def __init__(self, model: ImageTokenModel, session: DecodingSession, sampling: SamplingSettings,
                  acceleration: AccelerationSettings, seed: int, device: torch.device,
-                 count_vp_rises: bool = False) -> None:
+                 count_vp_rises: bool = False, compiled_stages: CompiledStages | None = None
+                 ) -> None:
         batch = session.batch_size
         self.session, self.sampling, self.acceleration = session, sampling, acceleration
         self.height, self.width = session.grid_height, session.grid_width
@@ -107,6 +109,7 @@ class _Decoder:
         self.iteration = 0
         self.siblings = (0, 0)  # PD candidates 2..K tested and passed in the last iteration
         self.count_vp_rises = count_vp_rises and acceleration.verification_prediction
+        self.compiled_stages = compiled_stages
 
     # ------------------------------------------------------------------ steps
     def autoregressive_step(self) -> list[int]:
@@ -139,21 +142,30 @@ class _Decoder:
         self._fit_window(tree.window)
         numbers = IterationUniforms.take(self.random, tree.size, tree.branching, tree.window,
                                          tree.tree_levels, self.vocab)
-        drafts = draft(self.state, tree, self._canvas(), self.acceleration.init, numbers)
+        stage = self._stage_runner(tree)
+        drafts = stage(draft, self.state, tree, self._canvas(), self.acceleration.init, numbers)
         node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
         cond, uncond = self.session.forward(drafts.tokens, node_slots, tree.host_ancestors,
                                             self.done, self.recorder.clock.mark)
-        target, verdict = verify(tree, cond, uncond, self.sampling,
-                                 self.guidance.after(node_slots), drafts, self.state.q, numbers,
-                                 self.rule, self.acceleration.adaptive_shape)
-        made = commit(tree, target, verdict, drafts, self.committed, self.row_start, self.codes,
-                      self.column_targets, self.slots, self.width)
+        target, verdict = stage(verify, tree, cond, uncond, self.sampling,
+                                self.guidance.after(node_slots), drafts, self.state.q, numbers,
+                                self.rule, self.acceleration.adaptive_shape)
+        made = stage(commit, tree, target, verdict, drafts, self.committed, self.row_start,
+                     self.codes, self.column_targets, self.slots, self.width)
         self._record(target, verdict, made)
         self.session.keep(verdict.on_path & (tree.depth < made.count))
-        self.state, self.committed, self.anchor = advance(
-            self.state, tree, target, verdict, made.count, self.committed, self.acceleration,
-            numbers)
+        self.state, self.committed, self.anchor = stage(
+            advance, self.state, tree, target, verdict, made.count, self.committed,
+            self.acceleration, numbers)
         return self._read_committed(verdict)
+
+    def _stage_runner(self, tree: DraftTree) -> Callable:
+        """Runs a stage of :mod:`.stages` on its arguments: compiled per tree shape where the
+        stages are compiled (``compile_stages``), as it is otherwise."""
+        if self.compiled_stages is None:
+            return lambda function, *args: function(*args)
+        shape = (tree.window, tree.profile)
+        return lambda function, *args: self.compiled_stages(function, shape, *args)
 
     def _fit_window(self, window: int) -> None:
         """A window state of ``window`` offsets: empty after plain autoregressive steps, cut or
@@ -326,22 +338,26 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     marks: list = []  # the recorder's clock, once the decoder exists
     max_nodes = largest_shape(acceleration)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
-    compiled = session.compile_network() if acceleration.compiles_on(device.type) else None
+    network = session.compile_network() if acceleration.compiles_on(device.type) else None
+    stages = CompiledStages() if acceleration.compile_stages else None
+    compiled = {name: c for name, c in (("compile", network), ("compile_stages", stages))
+                if c is not None}
     plan: Plan = make_plan(acceleration, model, request, sampling, device,
                            lambda i: marks[0].seconds_between(4 * i, 4 * i + 3),
                            session.grid_height * session.grid_width)
-    decoder = _Decoder(model, session, sampling, acceleration, seed, device, count_vp_rises)
+    decoder = _Decoder(model, session, sampling, acceleration, seed, device, count_vp_rises,
+                       stages)
     marks.append(decoder.recorder.clock)
     while decoder.rows:
         tree = plan.choose()
         warm = decoder.state is not None
-        compilations = 0 if compiled is None else compiled.compilations
+        compilations = sum(c.compilations for c in compiled.values())
         decoder.recorder.clock.mark()
         accepted = (decoder.autoregressive_step() if tree.window == 1
                     else decoder.speculative_step(tree))
         decoder.recorder.clock.mark()
         plan.observe(tree, decoder.rows, accepted, warm, decoder.siblings,
-                     timed=compiled is None or compiled.compilations == compilations)
+                     timed=sum(c.compilations for c in compiled.values()) == compilations)
         shape = describe_shape(tree)
         decoder.recorder.iteration_done(decoder.rows, accepted, shape)
         decoder.iteration += 1
@@ -355,9 +371,9 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
             "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
-    if compiled is not None:
-        meta["compile"] = compiled.report()
-        meta["warnings"] += [meta["compile"]["failure"]] if meta["compile"]["failure"] else []
+    for name, compiling in compiled.items():
+        meta[name] = compiling.report()
+        meta["warnings"] += [meta[name]["failure"]] if meta[name]["failure"] else []
     meta.update(plan.notes())
     trace = decoder.recorder.finish((decoder.height, decoder.width), meta)
     return GenerationResult(decoder.grids.reshape(-1, decoder.height, decoder.width).cpu(), trace)

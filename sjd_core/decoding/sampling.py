@@ -238,7 +238,9 @@ class IterationUniforms:
         sizes = [math.prod(shape) for shape in shapes.values()]
         block = random.uniform(sum(sizes))
         parts = block.split(sizes, dim=1)
-        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape)
+        # each part a tensor of its own: views into one block would make a compiled stage's
+        # graph depend on where in the block each part starts
+        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape).clone()
                                     for (name, shape), part in zip(shapes.items(), parts)})
 
 

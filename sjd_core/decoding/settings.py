@@ -152,6 +152,14 @@ class AccelerationSettings:
         uncompiled ones only by float rounding (about 1e-6 to 1e-5), so the distribution is the
         same, but on a long image a draw may flip and the rest of that image differ, as between
         batch sizes.
+    compile_stages: also compile the speculative iteration's stages (draft, verify, commit,
+        advance: some 400 small operations per PAC+VP iteration, each a kernel launch on a GPU)
+        by inductor, whole: per tree shape at most three graphs per stage (the first batch size,
+        every other one, a single row), at most 8 tree shapes per generation. Off by default,
+        and not on the nodes, until a GPU run shows that it pays (``python -m
+        sjd_core.tools.gpu_check`` times it): on a CPU it costs seconds of compiling per graph
+        and pays only where verifying over a large codebook is a large part of an iteration.
+        Lossless, as ``compile``.
     """
 
     window: int = 16
@@ -174,6 +182,7 @@ class AccelerationSettings:
     adaptive_tree: bool = False
     shape_cost: ShapeCost = "time"
     compile: bool | None = None
+    compile_stages: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.window, int) and self.window >= 1, "window", self.window,
@@ -232,7 +241,7 @@ class AccelerationSettings:
         for name in ("vp_rises", "vp_top_k", "lantern_neighbours", "gsd_rank_radius"):
             _no_bool(name, getattr(self, name), "an integer")
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
-                     "adaptive_shape", "adaptive_tree"):
+                     "adaptive_shape", "adaptive_tree", "compile_stages"):
             require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
         require(self.compile is None or isinstance(self.compile, bool), "compile", self.compile,

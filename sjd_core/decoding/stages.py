@@ -4,7 +4,7 @@ Each stage is a function of tensors and fixed settings only: it reads nothing ba
 takes no branch on a tensor's value and makes no shape that depends on one, so each traces as
 one graph (``torch.compile(fullgraph=True)``, ``tests/test_stages.py``) and can be captured per
 tree shape. Feeding is the session's ``forward``: its host layout of the fed tokens, then the
-network, compiled or captured per fed shape on its own (:mod:`..models.session.compiled`). The
+network, compiled or captured per fed shape on its own (:mod:`sjd_core.compiled`). The
 engine (:meth:`.engine._Decoder.speculative_step`) calls them in that order, keeps the trace and
 reads the committed counts back once, after ``advance``.
 """

@@ -5,6 +5,7 @@
     python -m sjd_core.tools.bench --threads 1 --batch 4 --json bench.json
     python -m sjd_core.tools.bench --cache-scaling --threads 1       # the session's own cost
     python -m sjd_core.tools.bench --threads 1 --compile             # compiled, and eager AR
+    python -m sjd_core.tools.bench --threads 1 --compile --compile-stages  # + stages compiled
 
 For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
 slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
@@ -189,10 +190,12 @@ def compile_first_images(model: ImageTokenModel, modes: dict[str, AccelerationSe
             continue
         result, seconds = timed(model, GenerationRequest(prompt=prompt, batch_size=batch),
                                 sampling, acceleration, seed)
-        report = result.trace.meta["compile"]
+        report, stages = result.trace.meta["compile"], result.trace.meta.get("compile_stages")
         print(f"{name} first compiled image: {seconds:.1f} s ({report['compiled_shapes']} "
-              f"shape(s) compiled, {report['eager_shapes']} uncompiled)"
-              + (f"; WARNING: {report['failure']}" if report["failure"] else ""), flush=True)
+              f"shape(s) compiled, {report['eager_shapes']} uncompiled"
+              + (f"; stages: {stages['graphs']} graphs" if stages else "") + ")"
+              + "".join(f"; WARNING: {r['failure']}" for r in (report, stages or {})
+                        if r.get("failure")), flush=True)
 
 
 def summarise(times: dict[str, ModeTimes], slots: int, batch: int) -> list[dict]:
@@ -264,6 +267,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="run every mode's network compiled (torch.compile), plus AR "
                              "uncompiled as a baseline; prints each mode's first image, which "
                              "compiles, before timing")
+    parser.add_argument("--compile-stages", action="store_true",
+                        help="with --compile: also run every speculative mode with its decoding "
+                             "stages compiled (compile_stages=True), as '<mode> + stages'")
     parser.add_argument("--cache-scaling", action="store_true",
                         help="measure the session's time outside the network per iteration at a "
                              "16x16 and a 64x64 grid instead of comparing modes")
@@ -272,6 +278,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--modes={quote(args.modes)} is not allowed: {unknown} are not modes; pick "
                      f"from {list(MODES)}")
+    if args.compile_stages and not args.compile:
+        parser.error("--compile-stages is not allowed without --compile: the rows it adds are "
+                     "held to the compiled modes")
     for flag in ("images", "batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}={getattr(args, flag)} is not allowed: it must be >= 1")
@@ -319,6 +328,9 @@ def _run(args: argparse.Namespace) -> list[dict]:
         sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: replace(MODES[name], compile=args.compile) for name in args.modes.split(",")}
+    if args.compile_stages:
+        modes.update({f"{name} + stages": replace(settings, compile_stages=True)
+                      for name, settings in list(modes.items()) if settings.window > 1})
     if args.compile:
         modes[EAGER_AR] = replace(MODES["AR"], compile=False)
     for acceleration in modes.values():  # before any mode (or generate()) runs a batch

@@ -13,9 +13,11 @@ Random weights say nothing about acceptance; the table measures costs, and where
   and the device's busy time (the profiler's total of kernel time). A host time above the busy
   time means the forward is bound by kernel launches, not by the device;
 * plain autoregression, PAC+VP and auto, each eager and compiled (``compile=True``: CUDA graphs
-  over a static cache on CUDA): per iteration the wall-clock, the host's time outside waiting on
-  reads, the device's busy time, codes, reads back to the host and blocking host-to-device
-  copies; and the seconds to the first measured iteration (which include compiling);
+  over a static cache on CUDA), and PAC+VP and auto with their stages compiled too
+  (``compile_stages=True``, inductor): per iteration the wall-clock, the host's time outside
+  waiting on reads, the device's busy time, codes, reads back to the host and blocking
+  host-to-device copies; and the seconds to the first measured iteration (which include
+  compiling);
 * peak memory.
 """
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..decoding.drafting import DraftTree
+from ..decoding import engine
 from ..decoding.engine import generate
 from ..decoding.settings import AccelerationSettings, SamplingSettings
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
@@ -43,6 +46,10 @@ from .host_reads import HostReads
 PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
 RESOLUTION = (768, 768)
 MODES = ("ar", "pac+vp", "auto")
+# how each mode runs: (compile, compile_stages); plain autoregression has no stages
+WAYS = {"ar": ((False, False), (True, False)),
+        "pac+vp": ((False, False), (True, False), (True, True)),
+        "auto": ((False, False), (True, False), (True, True))}
 FILLS = {"empty": 0.0, "half": 0.5, "full": 1.0}  # share of the image's codes already cached
 FORWARD_NODES = 64  # the largest forward timed: a full cache leaves room for it
 
@@ -217,28 +224,41 @@ class ReadWait:
         self._originals.clear()
 
 
-class _Networks:
-    """The compiled networks the sessions started inside it make (their reports: shapes
-    compiled, recordings, failure), which ``generate`` puts in a trace only at the end."""
+class _Compiling:
+    """What compiles inside it: the sessions' compiled networks and the generations' compiled
+    stages (their reports: shapes compiled, graphs, failure), which ``generate`` puts in a
+    trace only at the end."""
 
-    def __enter__(self) -> list:
-        self.made: list = []
-        self._original = SlotSession.compile_network
+    def __enter__(self) -> dict[str, list]:
+        self.made: dict[str, list] = {"network": [], "stages": []}
+        self._network, self._stages = SlotSession.compile_network, engine.CompiledStages
 
-        def recorded(session):
-            network = self._original(session)
-            self.made.append(network)
-            return network
-        SlotSession.compile_network = recorded
+        def network(session):
+            made = self._network(session)
+            self.made["network"].append(made)
+            return made
+
+        def stages():
+            made = self._stages()
+            self.made["stages"].append(made)
+            return made
+        SlotSession.compile_network, engine.CompiledStages = network, stages
         return self.made
 
     def __exit__(self, *exc) -> None:
-        SlotSession.compile_network = self._original
+        SlotSession.compile_network, engine.CompiledStages = self._network, self._stages
+
+
+def run_name(run: dict) -> str:
+    """``pac+vp eager``, ``pac+vp compiled`` or ``pac+vp compiled + stages``."""
+    return f"{run['mode']} " + ("compiled + stages" if run["stages"] else
+                                "compiled" if run["compiled"] else "eager")
 
 
 def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
-             iterations: int, counted: int, profiled: int) -> dict:
-    """``preset`` (guided, 768 px), eager or compiled: after ``warmup`` iterations (compiling
+             iterations: int, counted: int, profiled: int, stages: bool = False) -> dict:
+    """``preset`` (guided, 768 px), eager or compiled (``stages``: its stages too): after
+    ``warmup`` iterations (compiling
     happens there), ``iterations`` timed ones (wall-clock, and the host's time outside waiting in
     reads), ``counted`` ones under :class:`HostReads` (reads and blocking copies: the mode slows
     every operation, so it stays out of the timed stretch), then ``profiled`` ones under the
@@ -273,10 +293,11 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
 
     sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
-    settings = replace(AccelerationSettings.preset(preset), compile=compiled)
+    settings = replace(AccelerationSettings.preset(preset), compile=compiled,
+                       compile_stages=stages)
     seen["started"] = time.perf_counter()
     try:
-        with _Networks() as networks:
+        with _Compiling() as compiling:
             generate(model, request, sampling, settings, seed=0, on_iteration=step)
     except _Stop:
         pass
@@ -286,7 +307,7 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
             reads.__exit__(None, None, None)
     wall = seen["ended"] - seen["began"]
     busy_seconds = seen["busy_seconds"]
-    return {"mode": preset, "compiled": compiled, "iterations": iterations,
+    return {"mode": preset, "compiled": compiled, "stages": stages, "iterations": iterations,
             "warmup_seconds": seen["warmup_seconds"],
             "ms_per_iteration": 1e3 * wall / iterations,
             "host_ms_per_iteration": 1e3 * (wall - waits.seconds) / iterations,
@@ -295,7 +316,8 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
             "codes_per_iteration": (seen["committed_end"] - seen["committed"]) / iterations,
             "reads_per_iteration": reads.count / counted,
             "blocking_copies_per_iteration": reads.blocking_copies / counted,
-            "network": networks[0].report() if networks else None,
+            "network": compiling["network"][0].report() if compiling["network"] else None,
+            "stage_graphs": compiling["stages"][0].report() if compiling["stages"] else None,
             "codes": seen["codes"]}
 
 
@@ -328,11 +350,12 @@ def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, i
         show(table)
     eager_codes = {}
     for preset in MODES:
-        for compiled in (False, True):
+        for compiled, stages in WAYS[preset]:
             try:
-                run = run_mode(model, preset, compiled, warmup, iterations, counted, profiled)
+                run = run_mode(model, preset, compiled, warmup, iterations, counted, profiled,
+                               stages)
             except Exception as error:  # one mode failing leaves the others' numbers
-                table["runs"].append({"mode": preset, "compiled": compiled,
+                table["runs"].append({"mode": preset, "compiled": compiled, "stages": stages,
                                       "error": f"{type(error).__name__}: {error}"})
                 show(table)
                 continue
@@ -371,13 +394,15 @@ def format_table(table: dict) -> str:
                       "reads | blocking copies | s to first measured | graphs | codes as eager |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in table["runs"]:
-        name = f"{r['mode']} {'compiled' if r['compiled'] else 'eager'}"
+        name = run_name(r)
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:200]} |")
             continue
         network = r["network"] or {}
+        stage_graphs = r["stage_graphs"] or {}
         graphs = "-" if not network else (f"{network['compiled_shapes']} "
                                           f"(+{network['eager_shapes']} eager)")
+        graphs += f"; stages {stage_graphs['graphs']}" if stage_graphs else ""
         same = "-"
         if "codes_compared" in r:
             same = (f"same {r['codes_compared']}" if r["first_difference"] is None
@@ -386,8 +411,9 @@ def format_table(table: dict) -> str:
                      f"| {_ms(r['busy_ms_per_iteration'])} | {r['codes_per_iteration']:.2f} | "
                      f"{r['reads_per_iteration']:.2f} | {r['blocking_copies_per_iteration']:.2f} | "
                      f"{r['warmup_seconds']:.1f} | {graphs} | {same} |")
-        if network.get("failure"):
-            lines.append(f"|  | warning: {network['failure']} |")
+        for failure in (network.get("failure"), stage_graphs.get("failure")):
+            if failure:
+                lines.append(f"|  | warning: {failure} |")
     ar = {r["compiled"]: r["ms_per_iteration"] for r in runs if r["mode"] == "ar"}
     if ar:
         baseline = min(ar.values())
@@ -396,8 +422,7 @@ def format_table(table: dict) -> str:
                       f"the faster ({baseline:.2f} ms):"]
         for r in runs:
             per_code = r["ms_per_iteration"] / max(r["codes_per_iteration"], 1e-9)
-            lines.append(f"  {r['mode']} {'compiled' if r['compiled'] else 'eager'}: "
-                         f"{baseline / per_code:.2f}x")
+            lines.append(f"  {run_name(r)}: {baseline / per_code:.2f}x")
     if table["peak_memory_gib"] is not None:
         lines.append(f"peak memory: {table['peak_memory_gib']:.1f} GiB")
     return "\n".join(lines)

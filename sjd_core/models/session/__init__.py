@@ -4,7 +4,7 @@
   columns), planned on the host;
 * :mod:`.kv_store`: the preallocated key/value cache, written and compacted in place;
 * :mod:`.mask_buffer`: the persistent attention mask, updated only where a forward changes it;
-* :mod:`.transfer`: moving tensors between host and device without waiting;
 * :mod:`.slot_session`: the session contract built from them, which the transformers
-  session (:mod:`..hf_session`) and the synthetic model's session specialise.
+  session (:mod:`..hf_session`) and the synthetic model's session specialise; its network
+  runs compiled through :mod:`sjd_core.compiled` where asked.
 """

@@ -32,7 +32,7 @@ import torch
 
 from ...messages import quote
 from ..protocol import DecodingSession
-from .compiled import CapturedNetwork, CompiledNetwork
+from ...compiled import CapturedNetwork, CompiledNetwork
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout

@@ -1,34 +1,36 @@
-"""The session's network call compiled per fed shape: CUDA graphs on CUDA, inductor elsewhere.
+"""Compiled decoding: the session's network per fed shape (CUDA graphs on CUDA, inductor
+elsewhere) and the engine's speculative stages (inductor).
 
 The session keeps every shape inside the network a function of the fed shape alone (see
-:mod:`.slot_session`), and passes every tensor that changes between forwards as an argument, so
-each shape compiles once. On CUDA, :class:`CapturedNetwork` records the network's kernels as one
-CUDA graph per shape and replays it: one launch instead of one per kernel, which is what a
-decoding step of a large model is bound by. Elsewhere :class:`CompiledNetwork` compiles it with
-``torch.compile`` (inductor).
+:mod:`.models.session.slot_session`), and passes every tensor that changes between forwards as
+an argument, so each shape compiles once. On CUDA, :class:`CapturedNetwork` records the
+network's kernels as one CUDA graph per shape and replays it: one launch instead of one per
+kernel, which is what a decoding step of a large model is bound by. Elsewhere
+:class:`CompiledNetwork` compiles it with ``torch.compile`` (inductor). :class:`CompiledStages`
+compiles the engine's stages (:mod:`.decoding.stages`) whole, where asked.
 
 Compiling must never cost a generation: shapes past the first ``MAX_COMPILED_SHAPES`` run
 eagerly (compile time and graph memory stay bounded), and when compiling, recording or running a
 graph raises anything, the call is repeated eagerly and every later call runs eagerly too, with
 one warning for the run's summary. Repeating the call is safe: the network only writes the fed
-tokens' keys and values at their planned columns, which the eager run writes again.
+tokens' keys and values at their planned columns, which the eager run writes again; a stage
+writes the same values again.
 
 Inductor's graphs outlive a generation (torch keeps them per function), so a later generation of
 the same shapes does not compile again. Torch holds at most ``PROCESS_GRAPHS`` of them per
-function; past that it would run the network uncompiled without a word, so here it raises, and
+function; past that it would run the function uncompiled without a word, so here it raises, and
 the run warns as for any other failure. CUDA graphs belong to their session (they hold its
 cache's addresses) and are recorded again by the next one, in about the time of a forward each.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
 
-from ...messages import first_line
+from .messages import first_line
 
-__all__ = ["MAX_COMPILED_SHAPES", "CapturedNetwork", "CompiledNetwork"]
+__all__ = ["MAX_COMPILED_SHAPES", "CapturedNetwork", "CompiledNetwork", "CompiledStages"]
 
 MAX_COMPILED_SHAPES = 8  # distinct fed shapes compiled per generation; later ones run eagerly
 PROCESS_GRAPHS = 64  # graphs torch keeps per network function, over every generation of a process
@@ -36,11 +38,18 @@ PROCESS_GRAPHS = 64  # graphs torch keeps per network function, over every gener
 Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns) -> hidden states
 
 
-def _failure(error: Exception) -> str:
-    """The warning for a run whose compiling failed with ``error``."""
-    return (f"compile=True: torch.compile failed ({type(error).__name__}: {first_line(error)}), "
-            "so the network ran uncompiled for the rest of this generation (the same "
+def _failure(error: Exception, setting: str = "compile=True", what: str = "the network") -> str:
+    """The warning for a run whose compiling of ``what`` failed with ``error``."""
+    return (f"{setting}: torch.compile failed ({type(error).__name__}: {first_line(error)}), "
+            f"so {what} ran uncompiled for the rest of this generation (the same "
             "distribution, only slower)")
+
+
+def _within_process_limit():
+    """Torch's recompile limit per function raised to ``PROCESS_GRAPHS``, and made an error
+    (past it torch would otherwise run the function uncompiled without a word)."""
+    return torch._dynamo.config.patch(recompile_limit=PROCESS_GRAPHS,
+                                      fail_on_recompile_limit_hit=True)
 
 
 class _PerShape:
@@ -87,8 +96,7 @@ class CompiledNetwork(_PerShape):
             return self._eager(*tensors)
         self.compilations += shape not in self.shapes
         try:
-            with torch._dynamo.config.patch(recompile_limit=PROCESS_GRAPHS,
-                                            fail_on_recompile_limit_hit=True):
+            with _within_process_limit():
                 hidden = self._compiled(*tensors)
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
@@ -100,6 +108,53 @@ class CompiledNetwork(_PerShape):
         """What the trace records: shapes compiled and run eagerly, and the failure if any."""
         return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
                 "failure": self.failure}
+
+
+class CompiledStages(_PerShape):
+    """Functions of tensors (the decoding stages) compiled whole by inductor
+    (``fullgraph=True``) per shape the caller names (a tree shape), or eager (see the module:
+    the same cap and fallback as the network's). A function's first graph has the shapes of its
+    first call; the next batch size compiles one for every batch size (rows leave the batch as
+    their images finish), so a tree shape costs at most two graphs per stage.
+
+    Where the network is one graph, the stages around it still dispatch their operations one by
+    one: some 400 per iteration of PAC+VP, each a kernel launch on a GPU. Compiled, they become
+    a few fused kernels each. A stage that changes its arguments in place (``draft`` its window
+    state, ``commit`` the codes) does so compiled too.
+    """
+
+    SETTING = "compile_stages=True"
+
+    def __init__(self) -> None:
+        super().__init__(None, lambda: True)
+        self._compiled: dict[Callable, Callable] = {}
+
+    def __call__(self, function: Callable, shape: tuple, *args):
+        if self._runs_eagerly(shape):
+            return function(*args)
+        compiled = self._compiled.get(function)
+        graphs = _graphs_compiled()
+        try:
+            if compiled is None:
+                compiled = self._compiled[function] = torch.compile(function, fullgraph=True)
+            with _within_process_limit():
+                result = compiled(*args)
+        except Exception as error:  # eager from here on (see the module)
+            self.failure = _failure(error, self.SETTING, "the decoding stages")
+            return function(*args)
+        self.compilations += _graphs_compiled() - graphs
+        self.shapes.add(shape)
+        return result
+
+    def report(self) -> dict:
+        """What the trace records: shapes compiled and run eagerly, graphs, the failure."""
+        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
+                "graphs": self.compilations, "failure": self.failure}
+
+
+def _graphs_compiled() -> int:
+    """Graphs torch has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
