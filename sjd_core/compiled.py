@@ -74,10 +74,13 @@ class _PerShape:
 class CompiledNetwork(_PerShape):
     """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module);
     eager until ``ready()`` (a forward that allocates the cache would compile a path the later
-    ones do not take, and the next one compile again).
+    ones do not take, and the next one compile again). Only the batch's rows when compiling
+    began compile: once images finish and their rows leave, a smaller batch would compile every
+    shape again, seconds each, for the few iterations left, so those forwards run eagerly.
 
     shapes: the fed shapes that ran compiled; ``eager_shapes``: those that ran eagerly because
-    ``MAX_COMPILED_SHAPES`` were compiled already; ``compilations``: calls that compiled a shape
+    ``MAX_COMPILED_SHAPES`` were compiled already or rows had left; ``compilations``: calls
+    that compiled a shape
     (each takes far longer than the network runs); ``failure``: why compiling stopped, a
     sentence for the run's warnings (None while it works).
     """
@@ -85,6 +88,7 @@ class CompiledNetwork(_PerShape):
     def __init__(self, network: Network, device: torch.device,
                  ready: Callable[[], bool] = lambda: True) -> None:
         super().__init__(network, ready)
+        self._rows: int | None = None  # the batch's rows when compiling began
         try:
             self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
@@ -93,6 +97,10 @@ class CompiledNetwork(_PerShape):
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _shape_of(tensors)
         if self._runs_eagerly(shape):
+            return self._eager(*tensors)
+        self._rows = self._rows or len(tensors[0])
+        if len(tensors[0]) != self._rows:
+            self.eager_shapes.add(shape)
             return self._eager(*tensors)
         self.compilations += shape not in self.shapes
         try:
@@ -115,7 +123,7 @@ class CompiledStages(_PerShape):
     (``fullgraph=True``) per shape the caller names (a tree shape), or eager (see the module:
     the same cap and fallback as the network's). A function's first graph has the shapes of its
     first call; the next batch size compiles one for every batch size (rows leave the batch as
-    their images finish), so a tree shape costs at most two graphs per stage.
+    their images finish) but a single row, so a tree shape costs at most three graphs per stage.
 
     Where the network is one graph, the stages around it still dispatch their operations one by
     one: some 400 per iteration of PAC+VP, each a kernel launch on a GPU. Compiled, they become

@@ -169,6 +169,25 @@ def test_shapes_past_the_cap_run_eagerly(monkeypatch):
     assert calls["eager"] == MAX_COMPILED_SHAPES + 4  # inside the compiled ones, and 3 eager calls
 
 
+def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
+    """Inductor compiles only the rows the batch had when compiling began."""
+    compiled_rows = []
+
+    def counted_compile(network, **options):
+        def compiled_network(*args):
+            compiled_rows.append(len(args[0]))
+            return network(*args)
+        return compiled_network
+
+    monkeypatch.setattr(torch, "compile", counted_compile)
+    network = CompiledNetwork(lambda inputs, columns: inputs + 1, torch.device("cpu"))
+    for rows in (4, 4, 3, 1, 4):
+        assert torch.equal(network(torch.zeros(rows, 2), torch.zeros(rows, 2)),
+                           torch.ones(rows, 2))
+    assert compiled_rows == [4, 4, 4]
+    assert network.report() == {"compiled_shapes": 1, "eager_shapes": 2, "failure": None}
+
+
 class _ReplayedGraph:
     """Stands in for a CUDA graph on the CPU: recording keeps copies of the arguments, a replay
     runs the network on them (a real graph replays the recorded kernels on the same memory)."""

@@ -221,3 +221,22 @@ def test_largest_shape_counts_the_nodes_the_built_tree_has():
                                         pd_candidates=candidates, pd_depth=depth)
         assert largest_shape(settings) == DraftTree.for_settings(settings, CPU).size
     assert largest_shape(AccelerationSettings(window=7)) == 7
+
+
+@pytest.mark.parametrize("overrides", [dict(compile=True), dict(compile_stages=True),
+                                       dict(compile=True, window=256, pd_depth=4),
+                                       dict(compile=True, window=6, shape_cost="passes")])
+def test_compiled_auto_chooses_among_at_most_eight_shapes(overrides):
+    """Every shape fed compiles (seconds each on a CPU), so compiled ``auto`` keeps a few that
+    span its windows: AR, at most five chain lengths and the full tree at two of them."""
+    plan, uncompiled = plan_for(**overrides), plan_for(**{**overrides, "compile": False,
+                                                          "compile_stages": False})
+    shapes = [describe_shape(tree) for tree in plan.shapes]
+    assert len(shapes) == len(set(shapes)) <= 8 < len(uncompiled.shapes)
+    assert set(shapes) <= {describe_shape(tree) for tree in uncompiled.shapes}
+    assert shapes[0] == "AR" and all(any(tree is shape for shape in plan.shapes)
+                                     for tree in (plan.short, plan.middle, *plan.probes))
+    assert max(tree.size for tree in plan.shapes) == max(tree.size for tree in uncompiled.shapes)
+    assert [describe_shape(t) for t in (plan.short, plan.middle, *plan.probes)] == [
+        describe_shape(t) for t in (uncompiled.short, uncompiled.middle, *uncompiled.probes)]
+    assert {len(set(tree.profile)) for tree in plan.shapes if tree.tree_levels} == {1}

@@ -150,6 +150,30 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
+def _middle_length(lengths: list[int]) -> int:
+    """The middle window among ``lengths`` (ascending, the longest last): the longest of at
+    most half the longest (or 2)."""
+    return max(n for n in lengths if n <= max(lengths[-1] // 2, 2))
+
+
+def _compiled_shapes(shapes: list[DraftTree], probes: list[DraftTree],
+                     lengths: list[int]) -> list[DraftTree]:
+    """At most 8 of ``auto``'s ``shapes``, for a compiled run, which compiles every shape it
+    feeds (seconds each on a CPU): plain autoregression; five chains, the short window (4) and
+    the middle one, which ``auto`` measures first, the longest, and the lengths nearest halfway
+    between them; and the tree it probes (``probes[1]``), at its own window and the middle one."""
+    def nearest(length: float) -> int:
+        return min(lengths, key=lambda n: abs(n - length))
+
+    middle, longest = _middle_length(lengths), lengths[-1]
+    chains = {1, nearest(4), nearest(middle / 2), middle, nearest((middle + longest) / 2),
+              longest}
+    tree = probes[1] if len(probes) > 1 else None
+    return [shape for shape in shapes if shape.window in chains and not shape.tree_levels
+            or tree is not None and shape.profile == tree.profile
+            and shape.window in (tree.window, min(middle, tree.window))]
+
+
 def _fitting_window(profile: tuple[int, ...], budget: int) -> int:
     """The longest window whose tree of ``profile`` feeds at most ``budget`` nodes."""
     inner = int(np.cumprod(profile).sum()) if profile else 0
@@ -218,6 +242,8 @@ class AutoPlan:
             trees = [shape for shape in self.shapes if shape.tree_levels]
             if trees:  # the full tree, unless a node budget leaves no room for it
                 self.probes.append(max(trees, key=lambda t: (t.profile == full_tree, t.size)))
+        if settings.compiles_on(device.type) or settings.compile_stages:
+            self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
         self._arrays()
         key = (str(device), request.batch_size, sampling, settings, request.resolution)
         try:
@@ -226,8 +252,8 @@ class AutoPlan:
             profiles_of_model = {}
         self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
         self.short = next(t for t in self.shapes if t.window == min(4, settings.window))
-        self.middle = max((t for t in self.shapes[1:] if not t.tree_levels
-                           and t.window <= max(settings.window // 2, 2)), key=lambda t: t.window)
+        self.middle = next(t for t in self.shapes[1:] if not t.tree_levels
+                           and t.window == _middle_length(lengths))
         self.opening_codes = _OPENING * image_codes
         self.codes_done = 0.0  # mean codes committed per image so far
         self.queue: list[DraftTree] = []
