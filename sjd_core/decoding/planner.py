@@ -214,7 +214,8 @@ class AutoPlan:
     starts from it. The interval to the next run is set when a run ends, from what it measured.
     The iterations themselves are the timing probes, so measuring costs no extra forward pass.
     What is learnt is kept for the next generation with the same model, device, batch and
-    settings. If the clock fails (any exception, or a time that is not a finite positive
+    settings. Where the network or the stages are compiled, every shape fed compiles, so the
+    shapes are a few that span the windows (:func:`_compiled_shapes`, at most 8). If the clock fails (any exception, or a time that is not a finite positive
     number), the rest of the generation feeds the longest window, and ``warnings`` says so.
     """
 
