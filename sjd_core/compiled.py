@@ -38,9 +38,11 @@ PROCESS_GRAPHS = 64  # graphs torch keeps per network function, over every gener
 Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns) -> hidden states
 
 
-def _failure(error: Exception, setting: str = "compile=True", what: str = "the network") -> str:
-    """The warning for a run whose compiling of ``what`` failed with ``error``."""
-    return (f"{setting}: torch.compile failed ({type(error).__name__}: {first_line(error)}), "
+def _failure(error: Exception, setting: str = "compile=True", what: str = "the network",
+             step: str = "torch.compile") -> str:
+    """The warning for a run whose ``step`` (compiling, or recording a CUDA graph) of ``what``
+    failed with ``error``."""
+    return (f"{setting}: {step} failed ({type(error).__name__}: {first_line(error)}), "
             f"so {what} ran uncompiled for the rest of this generation (the same "
             "distribution, only slower)")
 
@@ -53,15 +55,20 @@ def _within_process_limit():
 
 
 class _PerShape:
-    """What both ways of compiling keep: the shapes compiled and those run eagerly past the cap,
+    """What every way of compiling keeps: the shapes compiled and those run eagerly past the cap,
     the calls that compiled, the failure; and which calls run eagerly."""
 
-    def __init__(self, network: Network, ready: Callable[[], bool]) -> None:
-        self._eager, self._ready = network, ready
+    def __init__(self, ready: Callable[[], bool]) -> None:
+        self._ready = ready
         self.shapes: set[tuple] = set()
         self.eager_shapes: set[tuple] = set()
         self.compilations = 0
         self.failure: str | None = None
+
+    def report(self) -> dict:
+        """What the trace records: shapes compiled and run eagerly, and the failure if any."""
+        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
+                "failure": self.failure}
 
     def _runs_eagerly(self, shape: tuple) -> bool:
         """Whether a call of ``shape`` runs uncompiled: after a failure, past the cap of
@@ -87,7 +94,8 @@ class CompiledNetwork(_PerShape):
 
     def __init__(self, network: Network, device: torch.device,
                  ready: Callable[[], bool] = lambda: True) -> None:
-        super().__init__(network, ready)
+        super().__init__(ready)
+        self._eager = network
         self._rows: int | None = None  # the batch's rows when compiling began
         try:
             self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
@@ -112,11 +120,6 @@ class CompiledNetwork(_PerShape):
         self.shapes.add(shape)
         return hidden
 
-    def report(self) -> dict:
-        """What the trace records: shapes compiled and run eagerly, and the failure if any."""
-        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
-                "failure": self.failure}
-
 
 class CompiledStages(_PerShape):
     """Functions of tensors (the decoding stages) compiled whole by inductor
@@ -134,7 +137,7 @@ class CompiledStages(_PerShape):
     SETTING = "compile_stages=True"
 
     def __init__(self) -> None:
-        super().__init__(None, lambda: True)
+        super().__init__(lambda: True)
         self._compiled: dict[Callable, Callable] = {}
 
     def __call__(self, function: Callable, shape: tuple, *args):
@@ -155,9 +158,8 @@ class CompiledStages(_PerShape):
         return result
 
     def report(self) -> dict:
-        """What the trace records: shapes compiled and run eagerly, graphs, the failure."""
-        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
-                "graphs": self.compilations, "failure": self.failure}
+        """The shapes' report, and the graphs compiled."""
+        return {**super().report(), "graphs": self.compilations}
 
 
 def _graphs_compiled() -> int:
@@ -206,8 +208,8 @@ class CapturedNetwork(_PerShape):
 
     def __init__(self, network: Network, device: torch.device, ready: Callable[[], bool],
                  buffers: Callable[[], tuple[torch.Tensor, ...]]) -> None:
-        super().__init__(network, ready)
-        self._buffers, self._device = buffers, device
+        super().__init__(ready)
+        self._eager, self._buffers, self._device = network, buffers, device
         self._stream: torch.cuda.Stream | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
@@ -229,7 +231,7 @@ class CapturedNetwork(_PerShape):
             self._graphs[shape] = _Graph(self._eager, tensors, self._stream)
         except Exception as error:  # recording refused an operation: eager from here on
             self._graphs.clear()
-            self.failure = _failure(error).replace("torch.compile", "recording a CUDA graph")
+            self.failure = _failure(error, step="recording a CUDA graph")
             return hidden
         self.shapes.add(shape)
         self.compilations += 1
@@ -253,6 +255,5 @@ class CapturedNetwork(_PerShape):
         return hidden
 
     def report(self) -> dict:
-        """What the trace records: shapes recorded and run eagerly, recordings, the failure."""
-        return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
-                "recordings": self.recordings, "failure": self.failure}
+        """The shapes' report, and the graphs recorded."""
+        return {**super().report(), "recordings": self.recordings}

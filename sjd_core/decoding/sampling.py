@@ -236,11 +236,11 @@ class IterationUniforms:
         shapes = {"tests": (nodes, candidates), "final": (), "keep": (window,),
                   "draw": (window,), "init": (window,), "race": (levels, vocab)}
         sizes = [math.prod(shape) for shape in shapes.values()]
-        block = random.uniform(sum(sizes))
+        # a block of its own: a view into the stream's buffer starts wherever the stream has got
+        # to, and a compiled stage's graph would depend on that place
+        block = random.uniform(sum(sizes)).clone()
         parts = block.split(sizes, dim=1)
-        # each part a tensor of its own: views into one block would make a compiled stage's
-        # graph depend on where in the block each part starts
-        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape).clone()
+        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape)
                                     for (name, shape), part in zip(shapes.items(), parts)})
 
 
