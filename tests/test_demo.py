@@ -100,6 +100,17 @@ def test_bench_compile_stages_adds_a_row_per_speculative_mode(monkeypatch, capsy
     assert "SJD + stages first compiled image: " in capsys.readouterr().out
 
 
+def test_bench_windows_adds_fixed_windows_that_auto_is_held_to(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "transformers_generate", lambda *a: 1.0)
+    records = bench.main(["--images", "1", "--modes", "AR,auto", "--threads", "1",
+                          "--windows", "4,8"])
+    assert [r["mode"] for r in records] == ["transformers generate()", "AR", "auto",
+                                            "AC+above, window 4", "AC+above, window 8"]
+    assert [r["step_compression"] > 1.0 for r in records[3:]] == [True, True]
+    fastest = max(records[3:], key=lambda r: r["speedup_vs_ar"])["mode"]
+    assert f"auto / fastest fixed lossless mode ({fastest}): " in capsys.readouterr().out
+
+
 def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     demo.main(["--prompt", "bag", "--mode", "ar", "--out", str(tmp_path)])
     assert 1 <= default_threads() <= 4
@@ -114,6 +125,9 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     (bench, ["--modes", "AR,turbo"], "--modes='AR,turbo' is not allowed: ['turbo']"),
     (bench, ["--images", "0"], "--images=0 is not allowed"),
     (bench, ["--compile-stages"], "--compile-stages is not allowed without --compile"),
+    (bench, ["--windows", "1,8"], "argument --windows: '1,8' is not allowed: it must be window "
+                                  "lengths (integers >= 2)"),
+    (bench, ["--windows", "four"], "argument --windows: 'four' is not allowed"),
     (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
     (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),
     (demo, ["--threads", "-1"], "--threads=-1 is not allowed: it must be >= 0"),

@@ -6,6 +6,7 @@
     python -m sjd_core.tools.bench --cache-scaling --threads 1       # the session's own cost
     python -m sjd_core.tools.bench --threads 1 --compile             # compiled, and eager AR
     python -m sjd_core.tools.bench --threads 1 --compile --compile-stages  # + stages compiled
+    python -m sjd_core.tools.bench --threads 1 --batch 4 --windows 4,8    # + AC+above at 4 and 8
 
 For every image (prompt and seed) each mode runs once, one after the other, so a busy machine
 slows all of them alike; the table gives, per mode, forward passes and seconds per image, the
@@ -272,6 +273,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-stages", action="store_true",
                         help="with --compile: also run every speculative mode with its decoding "
                              "stages compiled (compile_stages=True), as '<mode> + stages'")
+    parser.add_argument("--windows", type=window_lengths, default=(),
+                        help="comma-separated window lengths: also run AC+above with each, as "
+                             "'AC+above, window N', fixed lossless modes that auto is held to "
+                             "like the others (e.g. 4,8: shorter windows can pay more where a "
+                             "forward's cost grows with the tokens fed, as at batch 4 on a CPU)")
     parser.add_argument("--cache-scaling", action="store_true",
                         help="measure the session's time outside the network per iteration at a "
                              "16x16 and a 64x64 grid instead of comparing modes")
@@ -287,6 +293,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}={getattr(args, flag)} is not allowed: it must be >= 1")
     return args
+
+
+def window_lengths(text: str) -> tuple[int, ...]:
+    """argparse type of ``--windows``: comma-separated integers >= 2."""
+    try:
+        lengths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"{quote(text)} is not allowed: it must be window "
+                                         "lengths (integers >= 2) separated by commas, e.g. 4,8")
+    return lengths
 
 
 def load(name: str, device: str) -> tuple[ImageTokenModel, list[str]]:
@@ -330,6 +348,9 @@ def _run(args: argparse.Namespace) -> list[dict]:
         sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
     modes = {name: replace(MODES[name], compile=args.compile) for name in args.modes.split(",")}
+    modes.update({f"AC+above, window {window}": replace(MODES["AC+above"], window=window,
+                                                        compile=args.compile)
+                  for window in args.windows})
     if args.compile_stages:
         modes.update({f"{name} + stages": replace(settings, compile_stages=True)
                       for name, settings in list(modes.items()) if settings.window > 1})
