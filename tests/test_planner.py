@@ -199,6 +199,56 @@ def test_an_iteration_in_which_the_network_compiled_is_left_out_of_the_times():
     assert plan.profile.seconds == {16: pytest.approx(0.011 + 0.2 * (0.012 - 0.011))}
 
 
+def test_an_iteration_after_images_left_the_batch_is_left_out_of_the_times():
+    """Once some images of a batch are done, an iteration feeds fewer rows and costs less
+    whatever its shape; timed, it would make the shape fed at the end of an image look cheaper
+    than the others."""
+    times = [0.010, 0.020, 0.022, 0.008, 0.006]
+    settings = AccelerationSettings.preset("auto", proactive_drafting=False)
+    plan = AutoPlan(settings, _Model(), GenerationRequest(prompt="x", batch_size=4),
+                    SamplingSettings(), CPU, times.__getitem__, image_codes=256)
+    window = next(shape for shape in plan.shapes if shape.window == 16)
+    for rows in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 3], [1]):
+        plan.observe(window, rows, [3] * len(rows), True, (0, 0))
+    assert plan.profile.seconds == {16: pytest.approx(0.020 + 0.2 * 0.002)}
+
+
+@pytest.mark.parametrize("overrides", [dict(compile=True), dict(compile_stages=True),
+                                       dict(compile=True, window=6, shape_cost="passes")])
+def test_compiled_auto_feeds_each_of_its_shapes_once_in_its_first_image(overrides):
+    """Each shape compiles when it is first fed at the batch's full size (seconds on a CPU).
+    Compiled ``auto`` feeds every one of its shapes once, after it timed AR and the short window
+    and before its first run of the longest window, so later images compile nothing; a shape
+    first fed after images had left the batch (uncompiled) is fed again in the next image."""
+    plan = plan_for(**overrides)
+    fed = []
+    while plan.profile.probes_made == 0 or plan.queue:
+        tree = plan.choose()
+        fed.append(tree)
+        plan.observe(tree, [0], [4], True, (0, 0))
+    assert {id(tree) for tree in fed} == {id(tree) for tree in plan.shapes}
+    first_probe = next(i for i, tree in enumerate(fed) if tree is plan.probes[0])
+    assert all(tree is plan.probes[0] for tree in fed[first_probe:])
+    plain = plan_for(**{**overrides, "compile": False, "compile_stages": False})
+    assert len(plain.shapes) > len(plan.shapes)
+    assert plan.profile.fed == set(range(len(plan.shapes)))
+
+    batch = AccelerationSettings.preset("auto", adaptive_tree=True, **overrides)
+    first = AutoPlan(batch, _Model(), GenerationRequest(prompt="x", batch_size=2),
+                     SamplingSettings(), CPU, lambda iteration: None, image_codes=256)
+    first.profile.fed = set(range(len(first.shapes))) - {2}
+    first.profile.probes_made, first.profile.until_probe = 1, 1000
+    tree = first.choose()
+    assert tree is first.shapes[2]
+    first.observe(tree, [1], [4], True, (0, 0))  # one image left: the network ran uncompiled
+    later = AutoPlan(batch, _Model(), GenerationRequest(prompt="x", batch_size=2),
+                     SamplingSettings(), CPU, lambda iteration: None, image_codes=256)
+    later.profile = first.profile
+    assert later.choose() is later.shapes[2]
+    later.observe(later.shapes[2], [0, 1], [4, 4], True, (0, 0))
+    assert later._unfed() == []
+
+
 def test_a_depth_few_drafts_reached_leans_on_the_rate_of_all_depths():
     """Drafts fail at 10% at every depth; depth 20 was reached twice and passed both times. Its
     estimate stays near 10% (the pooled rate), not near the 30% guess made before any test."""

@@ -112,6 +112,7 @@ class _Profile:
     sibling_tests: float = 0.0
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
+    fed: set[int] = field(default_factory=set)  # the shapes fed so far (by index)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
     probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
@@ -206,8 +207,9 @@ class AutoPlan:
     out of the running, once timed while the machine was busy, until it happened to run again);
     plain autoregression (its own, leaner step) competes with its own measured time. The first
     iteration of a run of one shape is not timed (a shape's first forward in a process, or the
-    first after the prefill, can take several times its usual time). A new profile first feeds
-    a window of half the longest for a quarter of the image: the top rows have no row above to
+    first after the prefill, can take several times its usual time), nor is one that feeds
+    fewer rows than the batch has (the images that finished cost nothing). A new profile first
+    feeds a window of half the longest for a quarter of the image: the top rows have no row above to
     draft from, drafts pass there least whatever the window, and an estimate started there would
     underrate long windows. It then times AR and a short window for a few iterations each, and
     makes its first run of the longest window, longer than the later ones, since every estimate
@@ -215,14 +217,18 @@ class AutoPlan:
     The iterations themselves are the timing probes, so measuring costs no extra forward pass.
     What is learnt is kept for the next generation with the same model, device, batch and
     settings. Where the network or the stages are compiled, every shape fed compiles, so the
-    shapes are a few that span the windows (:func:`_compiled_shapes`, at most 8). If the clock fails (any exception, or a time that is not a finite positive
-    number), the rest of the generation feeds the longest window, and ``warnings`` says so.
+    shapes are a few that span the windows (:func:`_compiled_shapes`, at most 8), and the first
+    image feeds each of them once, after timing AR and the short window, so that no later image
+    stalls to compile one. If the clock fails (any exception, or a time that is not a finite
+    positive number), the rest of the generation feeds the longest window, and ``warnings`` says
+    so.
     """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
                  request: GenerationRequest, sampling: SamplingSettings, device: torch.device,
                  seconds_of: Callable[[int], float | None], image_codes: int) -> None:
         self.settings, self.device = settings, device
+        self.batch_size = request.batch_size
         self.mode_name = settings.mode_name
         self.seconds_of = seconds_of  # seconds of iteration i, None while not known yet
         self.per_pass = settings.shape_cost == "passes"
@@ -243,7 +249,8 @@ class AutoPlan:
             trees = [shape for shape in self.shapes if shape.tree_levels]
             if trees:  # the full tree, unless a node budget leaves no room for it
                 self.probes.append(max(trees, key=lambda t: (t.profile == full_tree, t.size)))
-        if settings.compiles_on(device.type) or settings.compile_stages:
+        self.compiles = settings.compiles_on(device.type) or settings.compile_stages
+        if self.compiles:
             self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
         self._arrays()
         key = (str(device), request.batch_size, sampling, settings, request.resolution)
@@ -296,9 +303,13 @@ class AutoPlan:
             # and start the estimate where the image is like most of it
             timed = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
                 _TIMED_RUN
+            if self.compiles:  # one iteration of each shape compiles it in this first image
+                timed += self._unfed(*timed, self.middle, self.probes[0])
             self.queue = timed + self._probe_run(self._rates())
             if self.queue:
                 return self.queue.pop(0)
+        if self.compiles and self._unfed():  # the first image ended before they all compiled
+            return self._unfed()[0]
         if self.rates is None or self.iteration >= self.rates_until:
             self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
         rates = self.rates
@@ -315,6 +326,14 @@ class AutoPlan:
         if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
             self.current = best
         return self.shapes[self.current]
+
+    def _unfed(self, *to_be_fed: DraftTree) -> list[DraftTree]:
+        """The shapes no iteration has fed at the batch's full size yet, but ``to_be_fed``.
+
+        Compiled, each compiles when it is first fed so; feeding each of them once early keeps
+        compiling out of every later image, where it would stall the image that first chose it."""
+        return [shape for index, shape in enumerate(self.shapes) if index not in self.profile.fed
+                and all(shape is not other for other in to_be_fed)]
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next run of the longest window, in turn without and with its tree; none where
@@ -393,6 +412,8 @@ class AutoPlan:
                 siblings: tuple[int, int], timed: bool = True) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
+        if len(accepted) == self.batch_size:  # fewer rows do not compile the batch's shape
+            self.profile.fed.add(self.shapes.index(tree))
         if tree.tree_levels:
             profile = self.profile
             profile.sibling_tests = _MEMORY * profile.sibling_tests + siblings[0]
@@ -402,8 +423,9 @@ class AutoPlan:
         self.codes_done += sum(accepted) / len(accepted)
         # a run's first iteration is not timed: a shape's first forward in a process or after
         # the prefill can take several times its usual time, which would stay in its estimate;
-        # nor is one in which the network compiled a shape (seconds, against milliseconds)
-        if not self.untimed and self.run > 1 and timed:
+        # nor is one in which the network compiled a shape (seconds, against milliseconds), nor
+        # one that fed fewer rows than the batch has (images that finished cost nothing more)
+        if not self.untimed and self.run > 1 and timed and len(accepted) == self.batch_size:
             self.pending.append((self.iteration, tree.size))
         self.iteration += 1
         still = []
