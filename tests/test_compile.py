@@ -3,8 +3,9 @@ speculative stages compiled whole, draw what eager draws.
 
 Compiled logits differ from eager ones only by float rounding; on this model and seed no draw
 flips, so the codes are bit-identical in every mode (on another model a draw may flip, as
-between batch sizes). AUTO chooses its shapes by forward passes here: by time its choice would
-follow the compiled speed, and the codes with it.
+between batch sizes). AUTO chooses its shapes by forward passes here (by time its choice would
+follow the compiled speed), and compiled it also feeds each of its shapes once early, to compile
+them: its uncompiled run feeds the shapes the compiled one chose, in the same order.
 
 Inductor compiles on a CPU take seconds per shape, so the model is the engine tests' small
 synthetic one with one layer; the modes share the network's shapes, which compile once.
@@ -15,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sjd_core.decoding import engine
 from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.decoding.trace import summary_text
@@ -47,11 +49,37 @@ def run(model: SyntheticModel, settings: AccelerationSettings, batch: int = 1):
                     settings, seed=3)
 
 
+class _Replay:
+    """A plan that feeds the shapes another run chose, in that run's order."""
+
+    def __init__(self, mode_name: str, trees: list) -> None:
+        self.mode_name, self.trees, self.warnings = mode_name, list(trees), []
+
+    def choose(self):
+        return self.trees.pop(0)
+
+    def observe(self, *args, **kwargs) -> None:
+        return None
+
+    def notes(self) -> dict:
+        return {}
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode):
-    eager = run(model, MODES[mode])
-    settings = replace(MODES[mode], compile=True)
+def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, monkeypatch):
+    settings, chosen, make_plan = replace(MODES[mode], compile=True), [], engine.make_plan
+
+    def recorded(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        choose = plan.choose
+        plan.choose = lambda: chosen.append(choose()) or chosen[-1]
+        return plan
+
+    monkeypatch.setattr(engine, "make_plan", recorded)
     compiled_run = run(model, settings)
+    monkeypatch.setattr(engine, "make_plan", lambda settings, *rest: _Replay(
+        settings.mode_name, chosen))
+    eager = run(model, MODES[mode])
     assert torch.equal(compiled_run.codes, eager.codes)
     report = compiled_run.trace.meta["compile"]
     assert report["failure"] is None and compiled_run.trace.summary()["warnings"] == []
