@@ -90,7 +90,11 @@ _FIRST_PROBE_RUN = 30  # the first run of a new profile: its estimate starts fro
 _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed before
 _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _OPENING = 0.25  # share of the image a new profile feeds its middle window before it measures
-_TIMED_RUN = 3  # iterations per run of AR and of a short window that a new profile times
+_TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
+# process or after the prefill can take several times its usual time, and after a switch of shape
+# (or a compile) the next few still run slower, by 10-50% on a CPU
+_TIMED_RUN = 7  # iterations per run of AR and of a short window that a new profile times
+_TIME_WEIGHT = 0.2  # a shape's seconds: the mean of its first 5 times, then moving by this
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
 # slowly, and making one takes about 1.5% of an iteration of the embedded model on a CPU
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -102,8 +106,8 @@ class _Profile:
     ``at_risk``/``stopped``: decayed counts of drafts tested and rejected at each depth of a
     window (a draft at depth j is tested when the j - 1 before it passed). ``sibling_tests`` and
     ``sibling_passes``: decayed counts of PD candidates 2..K tested (where the ones before them
-    failed) and passed. ``seconds``: exponentially weighted seconds per iteration by fed node
-    count (1: the plain autoregressive step).
+    failed) and passed. ``seconds``: seconds per iteration by fed node count (1: the plain
+    autoregressive step), the mean of the first few times, then exponentially weighted.
     """
 
     window: int
@@ -112,6 +116,7 @@ class _Profile:
     sibling_tests: float = 0.0
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
+    times_taken: dict[int, int] = field(default_factory=dict)  # the times behind ``seconds``
     fed: set[int] = field(default_factory=set)  # the shapes fed so far (by index)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
@@ -123,8 +128,10 @@ class _Profile:
         self.stopped = np.zeros(self.window)
 
     def time(self, nodes: int, seconds: float) -> None:
-        old = self.seconds.get(nodes)
-        self.seconds[nodes] = seconds if old is None else old + 0.2 * (seconds - old)
+        taken = self.times_taken.get(nodes, 0) + 1
+        self.times_taken[nodes] = taken
+        old = self.seconds.get(nodes, seconds)
+        self.seconds[nodes] = old + max(1.0 / taken, _TIME_WEIGHT) * (seconds - old)
 
 
 # Profiles live as long as their model: {model: {key: _Profile}}.
@@ -206,10 +213,12 @@ class AutoPlan:
     seconds per iteration of the shapes measured so far (a shape's own time alone would keep it
     out of the running, once timed while the machine was busy, until it happened to run again);
     plain autoregression (its own, leaner step) competes with its own measured time. The first
-    iteration of a run of one shape is not timed (a shape's first forward in a process, or the
-    first after the prefill, can take several times its usual time), nor is one that feeds
-    fewer rows than the batch has (the images that finished cost nothing). A new profile first
-    feeds a window of half the longest for a quarter of the image: the top rows have no row above to
+    three iterations of a run of one shape are not timed (a shape's first forward in a process,
+    or the first after the prefill, can take several times its usual time, and the next few
+    after a switch still run slower), nor is one that feeds fewer rows than the batch has (the
+    images that finished cost nothing); a shape's time is the mean of its first five, then a
+    moving average, so that no single early time stays in it. A new profile first feeds a
+    window of half the longest for a quarter of the image: the top rows have no row above to
     draft from, drafts pass there least whatever the window, and an estimate started there would
     underrate long windows. It then times AR and a short window for a few iterations each, and
     makes its first run of the longest window, longer than the later ones, since every estimate
@@ -421,11 +430,11 @@ class AutoPlan:
         elif warm and self.run > _SETTLE and tree is self.probes[0]:
             self._count(tree, np.asarray(accepted))
         self.codes_done += sum(accepted) / len(accepted)
-        # a run's first iteration is not timed: a shape's first forward in a process or after
-        # the prefill can take several times its usual time, which would stay in its estimate;
-        # nor is one in which the network compiled a shape (seconds, against milliseconds), nor
-        # one that fed fewer rows than the batch has (images that finished cost nothing more)
-        if not self.untimed and self.run > 1 and timed and len(accepted) == self.batch_size:
+        # a run's first iterations are not timed (see _TIMING_SETTLE), nor one in which the
+        # network compiled a shape (seconds, against milliseconds), nor one that fed fewer rows
+        # than the batch has (the images that finished cost nothing more)
+        if (not self.untimed and self.run > _TIMING_SETTLE and timed
+                and len(accepted) == self.batch_size):
             self.pending.append((self.iteration, tree.size))
         self.iteration += 1
         still = []
