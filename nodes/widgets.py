@@ -90,10 +90,11 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                 "CUDA it is recorded as CUDA graphs (about a second per shape; a 7B model's "
                 "step ran several times faster on an H200); elsewhere torch.compile's inductor "
                 "compiles it (tens of seconds or more per shape on the first run, then about "
-                "1.3x). 'on CUDA' (default): on for CUDA only. If compiling fails the run goes "
-                "on uncompiled with a warning in the summary. Lossless: the logits differ from "
-                "uncompiled ones only by float rounding, so a draw may flip on a long image and "
-                "the rest of it differ, from the same distribution.", None, None, None),
+                "1.3x); auto's first image feeds each of its shapes once, so all of them "
+                "compile there. 'on CUDA' (default): on for CUDA only. If compiling fails the "
+                "run goes on uncompiled with a warning in the summary. Lossless: the logits "
+                "differ from uncompiled ones only by float rounding, so a draw may flip on a long "
+                "image and the rest of it differ, from the same distribution.", None, None, None),
     "guidance": ("Classifier-free guidance scale; 1.0 turns guidance off and skips the "
                  "unconditional pass.", 0.0, 30.0, 0.1),
     "temperature": ("Softmax temperature; lower is more conservative.", 0.01, 5.0, 0.01),

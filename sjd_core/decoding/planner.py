@@ -92,7 +92,7 @@ _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _OPENING = 0.25  # share of the image a new profile feeds its middle window before it measures
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
-# (or a compile) the next few still run slower, by 10-50% on a CPU
+# (or a compile) the next few still run slower, by up to 80% on a CPU
 _TIMED_RUN = 7  # iterations per run of AR and of a short window that a new profile times
 _TIME_WEIGHT = 0.2  # a shape's seconds: the mean of its first 5 times, then moving by this
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
