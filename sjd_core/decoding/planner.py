@@ -117,7 +117,7 @@ class _Profile:
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
     times_taken: dict[int, int] = field(default_factory=dict)  # the times behind ``seconds``
-    fed: set[int] = field(default_factory=set)  # the shapes fed so far (by index)
+    fed: set[int] = field(default_factory=set)  # compiled: the shapes fed at full batch (index)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
     probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
@@ -317,8 +317,9 @@ class AutoPlan:
             self.queue = timed + self._probe_run(self._rates())
             if self.queue:
                 return self.queue.pop(0)
-        if self.compiles and self._unfed():  # the first image ended before they all compiled
-            return self._unfed()[0]
+        unfed = self.compiles and self._unfed()
+        if unfed:  # the first image ended before they all compiled
+            return unfed[0]
         if self.rates is None or self.iteration >= self.rates_until:
             self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
         rates = self.rates
@@ -421,7 +422,7 @@ class AutoPlan:
                 siblings: tuple[int, int], timed: bool = True) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
-        if len(accepted) == self.batch_size:  # fewer rows do not compile the batch's shape
+        if self.compiles and len(accepted) == self.batch_size:  # fewer rows compile nothing
             self.profile.fed.add(self.shapes.index(tree))
         if tree.tree_levels:
             profile = self.profile
