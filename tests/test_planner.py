@@ -175,6 +175,28 @@ def test_a_run_of_the_longest_window_is_skipped_where_even_luck_would_not_make_i
         assert chosen == "window 32" and len(plan.queue) == 9
 
 
+@pytest.mark.parametrize("steep", [True, False])
+def test_drafts_are_counted_on_the_longest_window_that_could_pay(steep):
+    """Drafts fail at 15% at every depth. Where each fed node adds 1 ms, window 8 is the best
+    shape, window 16 is within the margin by which a shorter window's counts may underrate a
+    longer one, and windows 24 and 32 could not come that close even if every draft counted
+    as failed had passed: the iterations of window 16 count (and of window 32, fed), not
+    those of window 8. Where nodes cost nothing more, window 32 is the best: only its
+    iterations count (a shorter window's drafts are refined less often)."""
+    plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.15], 0.0)
+    slope = 0.001 if steep else 0.0
+    plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * slope, 16: 0.010 + 16 * slope}
+    plan.profile.probes_made, plan.profile.until_probe = 1, 1000
+    window = {shape.window: shape for shape in plan.shapes}
+    assert plan.choose() is window[8 if steep else 32]
+    assert plan.counted_from == (16 if steep else 32)
+    for fed in (8, 16, 32):
+        before = plan.profile.at_risk.copy()
+        for _ in range(8):
+            plan.observe(window[fed], [0], [3], True, (0, 0))
+        assert (plan.profile.at_risk != before).any() == (fed >= plan.counted_from), fed
+
+
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():
     """A shape's first forward can take several times its usual time (the first in a process,
     or after the prefill), and the next few after a switch of shape still run slower; kept, they

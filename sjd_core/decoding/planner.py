@@ -95,6 +95,7 @@ _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first fo
 # (or a compile) the next few still run slower, by up to 80% on a CPU
 _TIMED_RUN = 7  # iterations per run of AR and of a short window that a new profile times
 _TIME_WEIGHT = 0.2  # a shape's seconds: the mean of its first 5 times, then moving by this
+_UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
 # slowly, and making one takes about 1.5% of an iteration of the embedded model on a CPU
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -194,11 +195,18 @@ class AutoPlan:
 
     Expected codes of a window of ``L`` slots: ``1 + sum_{j < L} S(j)``, where ``S(j)`` is the
     chance that the first ``j`` drafts pass. ``S`` is estimated per depth (a survival estimate:
-    a draft at depth j counts only where the j - 1 before it passed) on the longest window, in
-    its settled iterations: drafts there have been refined as often as they can be, and the
-    estimate then predicts shorter windows well, while an estimate made on a short window would
-    see its drafts less refined and underrate every longer one. So the longest window (in turn
-    with and without its full tree) runs now and then for a few iterations, more rarely the more
+    a draft at depth j counts only where the j - 1 before it passed) on the longest window that
+    could still pay, in its settled iterations: drafts there have been refined as often as they
+    can be, and the estimate then predicts shorter windows well, while an estimate made on a
+    short window would see its drafts less refined and underrate every longer one. That is the
+    longest window of all unless no window longer than some other could come within 15% of
+    the best shape (about what a shorter window's counts underrate a longer one by) even with
+    the luckiest acceptance the counts allow, as where each fed node costs much (a batch);
+    then the iterations of that other window, and of any longer one fed, count too, so that
+    the estimate follows the rows being drawn rather than the rows the last run of the longest
+    window happened to see (an image's rows differ by a third in how many drafts pass). The
+    longest window (in turn with and without its full tree) runs now and then for a few
+    iterations, more rarely the more
     it costs against the best shape and the more runs have been made (the interval grows with
     the square root of their number, so the estimate keeps learning while probing costs less);
     a run that could not pay even with the luckiest acceptance the counts allow is skipped.
@@ -281,6 +289,7 @@ class AutoPlan:
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
         self.rates: np.ndarray | None = None  # the last estimate of every shape's rate
+        self.counted_from = settings.window  # drafts are counted on windows this long or longer
         self.rates_until = 0  # the iteration from which that estimate is made again
         self.untimed = False  # the clock failed: the longest window from then on
         self.warnings: list[str] = []
@@ -322,6 +331,7 @@ class AutoPlan:
             return unfed[0]
         if self.rates is None or self.iteration >= self.rates_until:
             self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
+            self.counted_from = self._longest_hopeful_window(self.rates)
         rates = self.rates
         if profile.until_probe is None:  # a run just ended: how often, by what it measured
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
@@ -357,6 +367,14 @@ class AutoPlan:
         if self._optimistic_rates()[index] < rates.max():
             return []
         return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
+
+    def _longest_hopeful_window(self, rates: np.ndarray) -> int:
+        """The longest chain window that could come within ``_UNDERRATED`` of the best shape if
+        its drafts were as lucky as the counts allow (the longest window where none could):
+        drafts are counted on it and on any longer window fed."""
+        hopeful = (self.levels == 0) & (self.windows > 1) & (
+            self._optimistic_rates() >= (1.0 - _UNDERRATED) * rates.max())
+        return int(self.windows[hopeful].max()) if hopeful.any() else self.probes[0].window
 
     def _optimistic_rates(self) -> np.ndarray:
         """Codes per second of every shape if its drafts were as lucky as the counts allow: each
@@ -428,7 +446,7 @@ class AutoPlan:
             profile = self.profile
             profile.sibling_tests = _MEMORY * profile.sibling_tests + siblings[0]
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
-        elif warm and self.run > _SETTLE and tree is self.probes[0]:
+        elif warm and self.run > _SETTLE and tree.window >= self.counted_from:
             self._count(tree, np.asarray(accepted))
         self.codes_done += sum(accepted) / len(accepted)
         # a run's first iterations are not timed (see _TIMING_SETTLE), nor one in which the
