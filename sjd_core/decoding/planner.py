@@ -206,10 +206,10 @@ class AutoPlan:
     the estimate follows the rows being drawn rather than the rows the last run of the longest
     window happened to see (an image's rows differ by a third in how many drafts pass). The
     longest window (in turn with and without its full tree) runs now and then for a few
-    iterations, more rarely the more
-    it costs against the best shape and the more runs have been made (the interval grows with
-    the square root of their number, so the estimate keeps learning while probing costs less);
-    a run that could not pay even with the luckiest acceptance the counts allow is skipped.
+    iterations, more rarely the more it costs against the best shape and the more runs have
+    been made (the interval grows with the square root of their number, so the estimate keeps
+    learning while probing costs less); a run that could not pay even with the luckiest
+    acceptance the counts allow is skipped.
 
     A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
     (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
