@@ -289,7 +289,7 @@ class AutoPlan:
         self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
         self.iteration = 0
         self.rates: np.ndarray | None = None  # the last estimate of every shape's rate
-        self.counted_from = settings.window  # drafts are counted on windows this long or longer
+        self.counted_from = self.probes[0].window  # drafts count on windows this long or longer
         self.rates_until = 0  # the iteration from which that estimate is made again
         self.untimed = False  # the clock failed: the longest window from then on
         self.warnings: list[str] = []

@@ -347,10 +347,10 @@ def _run(args: argparse.Namespace) -> list[dict]:
     if args.setting == "hot":
         sampling = SamplingSettings.of_recipe(recipe, temperature=1.5, top_p=1.0)
     prompts = [names[i % len(names)] for i in range(args.images)]
-    modes = {name: replace(MODES[name], compile=args.compile) for name in args.modes.split(",")}
-    modes.update({f"AC+above, window {window}": replace(MODES["AC+above"], window=window,
-                                                        compile=args.compile)
-                  for window in args.windows})
+    chosen = {name: MODES[name] for name in args.modes.split(",")}
+    chosen.update({f"AC+above, window {window}": replace(MODES["AC+above"], window=window)
+                   for window in args.windows})
+    modes = {name: replace(settings, compile=args.compile) for name, settings in chosen.items()}
     if args.compile_stages:
         modes.update({f"{name} + stages": replace(settings, compile_stages=True)
                       for name, settings in list(modes.items()) if settings.window > 1})
