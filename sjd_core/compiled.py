@@ -1,13 +1,15 @@
-"""Compiled decoding: the session's network per fed shape (CUDA graphs on CUDA, inductor
-elsewhere) and the engine's speculative stages (inductor).
+"""Compiled decoding: the session's network per fed shape and the engine's speculative stages
+per tree shape, each recorded as CUDA graphs on CUDA and compiled by inductor elsewhere.
 
 The session keeps every shape inside the network a function of the fed shape alone (see
 :mod:`.models.session.slot_session`), and passes every tensor that changes between forwards as
 an argument, so each shape compiles once. On CUDA, :class:`CapturedNetwork` records the
 network's kernels as one CUDA graph per shape and replays it: one launch instead of one per
 kernel, which is what a decoding step of a large model is bound by. Elsewhere
-:class:`CompiledNetwork` compiles it with ``torch.compile`` (inductor). :class:`CompiledStages`
-compiles the engine's stages (:mod:`.decoding.stages`) whole, where asked.
+:class:`CompiledNetwork` compiles it with ``torch.compile`` (inductor). The engine's stages
+(:mod:`.decoding.stages`, where asked) take their tensors as arguments too: on CUDA
+:class:`CapturedStages` records each stage as a CUDA graph per tree shape and layout of its
+arguments, elsewhere :class:`CompiledStages` compiles them whole by inductor.
 
 Compiling must never cost a generation: shapes past the first ``MAX_COMPILED_SHAPES`` run
 eagerly (compile time and graph memory stay bounded), and when compiling, recording or running a
@@ -19,18 +21,22 @@ writes the same values again.
 Inductor's graphs outlive a generation (torch keeps them per function), so a later generation of
 the same shapes does not compile again. Torch holds at most ``PROCESS_GRAPHS`` of them per
 function; past that it would run the function uncompiled without a word, so here it raises, and
-the run warns as for any other failure. CUDA graphs belong to their session (they hold its
-cache's addresses) and are recorded again by the next one, in about the time of a forward each.
+the run warns as for any other failure. CUDA graphs belong to their generation (the network's
+hold its session's cache addresses) and are recorded again by the next one, in about the time
+of an eager call each.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .messages import first_line
 
-__all__ = ["MAX_COMPILED_SHAPES", "CapturedNetwork", "CompiledNetwork", "CompiledStages"]
+__all__ = ["MAX_COMPILED_SHAPES", "CapturedNetwork", "CapturedStages", "CompiledNetwork",
+           "CompiledStages", "compile_stages"]
 
 MAX_COMPILED_SHAPES = 8  # distinct fed shapes compiled per generation; later ones run eagerly
 PROCESS_GRAPHS = 64  # graphs torch keeps per network function, over every generation of a process
@@ -123,7 +129,8 @@ class CompiledNetwork(_PerShape):
 
 class CompiledStages(_PerShape):
     """Functions of tensors (the decoding stages) compiled whole by inductor
-    (``fullgraph=True``) per shape the caller names (a tree shape), or eager (see the module:
+    (``fullgraph=True``) per shape the caller names (a tree shape), off CUDA (on CUDA,
+    :class:`CapturedStages` records them as CUDA graphs), or eager (see the module:
     the same cap and fallback as the network's). A function's first graph has the shapes of its
     first call; the next batch size compiles one for every batch size (rows leave the batch as
     their images finish) but a single row, so a tree shape costs at most three graphs per stage.
@@ -171,25 +178,157 @@ def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
     return tuple(tuple(t.shape) for t in tensors)
 
 
+_Path = tuple  # field names and indices that lead from a stage's arguments to one object in them
+
+
+def _nodes(value: object, path: _Path = ()) -> list[tuple[_Path, object]]:
+    """``value`` and every object inside it, depth first, each with its path: what dataclasses
+    (their fields), tuples and lists hold."""
+    nodes = [(path, value)]
+    if isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            nodes += _nodes(item, path + (index,))
+    elif is_dataclass(value) and not isinstance(value, type):
+        for field in fields(value):
+            nodes += _nodes(getattr(value, field.name), path + (field.name,))
+    return nodes
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors inside ``value``, depth first."""
+    return [node for _, node in _nodes(value) if isinstance(node, torch.Tensor)]
+
+
+def _map_tensors(function: Callable[[torch.Tensor], torch.Tensor], value: object) -> object:
+    """``value`` with every tensor inside it replaced by ``function(tensor)``, in new dataclasses,
+    tuples and lists (the same other objects)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(function, item) for item in value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(value, **{field.name: _map_tensors(function, getattr(value, field.name))
+                                 for field in fields(value)})
+    return value
+
+
+def _layout(node: object) -> object:
+    """What a recording depends on of one object in the arguments: a tensor's shape, dtype and
+    device, a container's type (and length), any other value itself, or, where it cannot be
+    hashed (a numpy array), its identity."""
+    if isinstance(node, torch.Tensor):
+        return node.shape, node.dtype, node.device
+    if isinstance(node, (tuple, list)):
+        return type(node), len(node)
+    if is_dataclass(node) and not isinstance(node, type):
+        return type(node)
+    try:
+        hash(node)
+    except TypeError:
+        return type(node), id(node)
+    return type(node), node
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s memory starts: equal for tensors that share it (views of one base)."""
+    return tensor.untyped_storage().data_ptr()
+
+
+def _sharing(storages: list[int]) -> tuple[int, ...]:
+    """For each tensor (by its :func:`_storage`), the first one that shares its memory."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(storage, index) for index, storage in enumerate(storages))
+
+
+def _at(value: object, path: _Path) -> object:
+    """The object at ``path`` inside ``value``."""
+    for key in path:
+        value = getattr(value, key) if isinstance(key, str) else value[key]
+    return value
+
+
+def _place(value: object, path: _Path, new: object) -> None:
+    """Set the object at ``path`` inside ``value`` to ``new``."""
+    parent, key = _at(value, path[:-1]), path[-1]
+    if isinstance(key, str):
+        setattr(parent, key, new)
+    else:
+        parent[key] = new
+
+
+class _Writes(TorchDispatchMode):
+    """The memory that operations run inside it write (``storages``, as :func:`_storage`): the
+    arguments their schemas mark as written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, operation, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for index, argument in enumerate(operation._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written = args[index] if index < len(args) else kwargs.get(argument.name)
+                self.storages.update(_storage(tensor) for tensor in _tensors(written))
+        return operation(*args, **kwargs)
+
+
 class _Graph:
-    """One recorded CUDA graph: the copies of the arguments it reads and the output it writes."""
+    """One recorded CUDA graph: copies of the arguments it reads (``arguments``, of the same
+    structure as those it was recorded with; ``inputs``, their tensors), the output it writes,
+    and its memory ``pool`` (which later recordings may share)."""
 
-    def __init__(self, network: Network, tensors: tuple[torch.Tensor, ...],
-                 stream: torch.cuda.Stream) -> None:
-        self.inputs = tuple(t.clone() for t in tensors)
+    def __init__(self, function: Callable, arguments: tuple, stream: torch.cuda.Stream | None,
+                 pool: tuple | None = None) -> None:
+        self.arguments = _map_tensors(torch.clone, arguments)
+        self.inputs = _tensors(self.arguments)
+        self.output, self.pool = self._record(function, stream, pool)
+
+    def _record(self, function: Callable, stream: torch.cuda.Stream | None,
+                pool: tuple | None) -> tuple[object, tuple]:
+        """Record ``function`` on the copies of the arguments: its output, and the pool."""
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.output = network(*self.inputs)
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream,
+                              capture_error_mode="thread_local"):
+            output = function(*self.arguments)
+        return output, self.graph.pool()
 
-    def replay(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The network's output for ``tensors``; valid until the next replay of this graph."""
+    def replay(self, tensors: Sequence[torch.Tensor]) -> object:
+        """The output for arguments of these ``tensors`` (in the order of ``inputs``); valid
+        until the next replay of this graph."""
         for recorded, tensor in zip(self.inputs, tensors):
             recorded.copy_(tensor)
-        self.graph.replay()
+        self._replay()
         return self.output
 
+    def _replay(self) -> None:
+        """Run the recorded kernels (on their own, so that a test on the CPU can stand in)."""
+        self.graph.replay()
 
-class CapturedNetwork(_PerShape):
+
+class _GraphRecorder(_PerShape):
+    """What recording CUDA graphs takes besides the shapes' bookkeeping: a side stream, on which
+    a shape's first call runs eagerly (which also warms up what it calls, as a recording needs)
+    and its graph is recorded."""
+
+    def __init__(self, ready: Callable[[], bool], device: torch.device) -> None:
+        super().__init__(ready)
+        self._device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    def _on_side_stream(self, call: Callable[[], object]) -> object:
+        """``call()`` on the side stream, ordered after and before the current stream's work."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        current = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            result = call()
+        current.wait_stream(self._stream)
+        return result
+
+
+class CapturedNetwork(_GraphRecorder):
     """``network(*tensors)`` recorded as one CUDA graph per fed shape and replayed (see the
     module).
 
@@ -208,9 +347,8 @@ class CapturedNetwork(_PerShape):
 
     def __init__(self, network: Network, device: torch.device, ready: Callable[[], bool],
                  buffers: Callable[[], tuple[torch.Tensor, ...]]) -> None:
-        super().__init__(ready)
-        self._eager, self._buffers, self._device = network, buffers, device
-        self._stream: torch.cuda.Stream | None = None
+        super().__init__(ready, device)
+        self._eager, self._buffers = network, buffers
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
 
@@ -224,7 +362,7 @@ class CapturedNetwork(_PerShape):
             self._addresses = addresses
         if shape in self._graphs:
             return self._graphs[shape].replay(tensors)
-        hidden = self._on_side_stream(tensors)
+        hidden = self._on_side_stream(lambda: self._eager(*tensors))
         if not self._ready() or addresses != tuple(b.data_ptr() for b in self._buffers()):
             return hidden  # that run allocated or moved the cache: record at the next call
         try:
@@ -242,18 +380,114 @@ class CapturedNetwork(_PerShape):
         """Graphs recorded, re-recordings included (each call that compiled recorded one)."""
         return self.compilations
 
-    def _on_side_stream(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The eager call, on the stream the graphs are recorded on (a recording follows a run
-        there), ordered after and before the current stream's work."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self._device)
-        current = torch.cuda.current_stream(self._device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            hidden = self._eager(*tensors)
-        current.wait_stream(self._stream)
-        return hidden
-
     def report(self) -> dict:
         """The shapes' report, and the graphs recorded."""
         return {**super().report(), "recordings": self.recordings}
+
+
+@dataclass
+class _StageGraph:
+    """A stage's recorded graph and what a replay hands back besides its output: the argument
+    tensors the stage writes in place (``written``, indices into the arguments' tensors) and
+    the fields of its arguments it sets (``replaced``, their paths)."""
+
+    graph: _Graph
+    written: list[int]
+    replaced: list[_Path]
+
+    def replay(self, arguments: tuple, tensors: list[torch.Tensor]) -> object:
+        """What the stage returns for ``arguments`` (whose tensors are ``tensors``), with their
+        changes made as the stage makes them. The graph's output and changes are in its own
+        memory, which its next replay overwrites, so the caller gets copies."""
+        output = self.graph.replay(tensors)
+        for index in self.written:
+            tensors[index].copy_(self.graph.inputs[index])
+        for path in self.replaced:
+            _place(arguments, path, _map_tensors(torch.clone, _at(self.graph.arguments, path)))
+        return _map_tensors(torch.clone, output)
+
+
+class CapturedStages(_GraphRecorder):
+    """Functions of tensors (the decoding stages) recorded on CUDA as one CUDA graph per
+    function, shape the caller names (a tree shape) and layout of the arguments, and replayed;
+    or eager (see the module: the same cap on tree shapes and fallback as the network's).
+
+    The layout is everything a recording depends on (:func:`_layout`): the arguments' structure
+    (dataclasses, tuples, lists), their tensors' shapes, dtypes and devices, which of them share
+    memory, and every other value. So rows leaving the batch, a changed setting or another
+    acceptance rule each record a graph of their own.
+
+    The first call of a layout runs eagerly on the side stream, noting what it writes (the
+    memory of argument tensors written in place, and the arguments' fields it sets, as ``draft``
+    sets the window state's drafts); then the graph is recorded on copies of the arguments.
+    A replay copies the arguments in, and afterwards the written tensors and the set fields back
+    out to the caller's arguments, and returns a copy of the output. Where a written tensor
+    shares memory with another argument the graph could not keep them the same, so that layout
+    runs eagerly. Graphs share one memory pool: a replay leaves nothing in it that a later one
+    needs.
+
+    shapes: the tree shapes that ran as graphs; ``eager_shapes``: those that ran eagerly because
+    ``MAX_COMPILED_SHAPES`` were recorded already, and layouts that run eagerly as they write a
+    tensor that shares memory; ``compilations``: graphs recorded; ``failure``: why recording
+    stopped, a sentence for the run's warnings.
+    """
+
+    SETTING = CompiledStages.SETTING
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(lambda: True, device)
+        self._graphs: dict[tuple, _StageGraph] = {}
+        self._pool: tuple | None = None
+
+    def __call__(self, function: Callable, shape: tuple, *args):
+        if self._runs_eagerly(shape):
+            return function(*args)
+        nodes = _nodes(args)
+        tensors = [node for _, node in nodes if isinstance(node, torch.Tensor)]
+        storages = [_storage(tensor) for tensor in tensors]
+        layout = (function, shape, tuple(_layout(node) for _, node in nodes), _sharing(storages))
+        if layout in self._graphs:
+            return self._graphs[layout].replay(args, tensors)
+        if layout in self.eager_shapes:
+            return function(*args)
+        before = _map_tensors(lambda tensor: tensor, args)
+        with _Writes() as writes:
+            result = self._on_side_stream(lambda: function(*args))
+        written = [index for index, storage in enumerate(storages) if storage in writes.storages]
+        if any(storages.count(storages[index]) > 1 for index in written):
+            self.eager_shapes.add(layout)
+            return result
+        try:
+            replaced = _replaced(args, nodes)
+            graph = _Graph(function, before, self._stream, self._pool)
+        except Exception as error:  # recording refused an operation: eager from here on
+            self._graphs.clear()
+            self.failure = _failure(error, self.SETTING, "the decoding stages",
+                                    "recording a CUDA graph")
+            return result
+        self._pool = graph.pool
+        self._graphs[layout] = _StageGraph(graph, written, replaced)
+        self.shapes.add(shape)
+        self.compilations += 1
+        return result
+
+    def report(self) -> dict:
+        """The shapes' report, and the graphs recorded."""
+        return {**super().report(), "graphs": self.compilations}
+
+
+def _replaced(arguments: tuple, nodes: list[tuple[_Path, object]]) -> list[_Path]:
+    """The paths of the objects in ``arguments`` that are no longer those ``nodes`` listed
+    there (before a call that set them), outermost only."""
+    replaced: list[_Path] = []
+    for path, node in nodes:
+        if (not any(path[:len(outer)] == outer for outer in replaced)
+                and _at(arguments, path) is not node):
+            replaced.append(path)
+    return replaced
+
+
+def compile_stages(device: torch.device) -> CapturedStages | CompiledStages:
+    """What runs the engine's stages compiled on ``device``: CUDA graphs on CUDA (a stage's
+    hundred small operations become one launch), inductor elsewhere (fused kernels)."""
+    return CapturedStages(device) if device.type == "cuda" else CompiledStages()

@@ -1,5 +1,6 @@
 """The ``compile`` and ``compile_stages`` settings: the network compiled per fed shape, and the
-speculative stages compiled whole, draw what eager draws.
+speculative stages compiled whole (by inductor, or as CUDA graphs replayed here by a stand-in on
+the CPU), draw what eager draws.
 
 Compiled logits differ from eager ones only by float rounding; on this model and seed no draw
 flips, so the codes are bit-identical in every mode (on another model a draw may flip, as
@@ -11,7 +12,7 @@ Inductor compiles on a CPU take seconds per shape, so the model is the engine te
 synthetic one with one layer; the modes share the network's shapes, which compile once.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ from sjd_core.decoding.trace import summary_text
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core import compiled
 from sjd_core.models.session import slot_session
-from sjd_core.compiled import (MAX_COMPILED_SHAPES, CapturedNetwork, CompiledNetwork,
-                               CompiledStages)
+from sjd_core.compiled import (MAX_COMPILED_SHAPES, CapturedNetwork, CapturedStages,
+                               CompiledNetwork, CompiledStages, compile_stages)
 from sjd_core.models.synthetic import SyntheticModel
 
 SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
@@ -65,9 +66,11 @@ class _Replay:
         return {}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, monkeypatch):
-    settings, chosen, make_plan = replace(MODES[mode], compile=True), [], engine.make_plan
+def run_and_replay_eagerly(model: SyntheticModel, mode: str, monkeypatch, batch: int = 1,
+                           **compiling):
+    """A run of ``mode`` with the ``compiling`` settings, and its eager run feeding the shapes the
+    first one chose, in its order (compiling, ``auto`` feeds each shape once early)."""
+    chosen, make_plan = [], engine.make_plan
 
     def recorded(*args, **kwargs):
         plan = make_plan(*args, **kwargs)
@@ -76,10 +79,17 @@ def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, m
         return plan
 
     monkeypatch.setattr(engine, "make_plan", recorded)
-    compiled_run = run(model, settings)
+    compiled_run = run(model, replace(MODES[mode], **compiling), batch)
     monkeypatch.setattr(engine, "make_plan", lambda settings, *rest: _Replay(
         settings.mode_name, chosen))
-    eager = run(model, MODES[mode])
+    eager = run(model, MODES[mode], batch)
+    monkeypatch.setattr(engine, "make_plan", make_plan)
+    return compiled_run, eager
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, monkeypatch):
+    compiled_run, eager = run_and_replay_eagerly(model, mode, monkeypatch, compile=True)
     assert torch.equal(compiled_run.codes, eager.codes)
     report = compiled_run.trace.meta["compile"]
     assert report["failure"] is None and compiled_run.trace.summary()["warnings"] == []
@@ -216,31 +226,38 @@ def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
     assert network.report() == {"compiled_shapes": 1, "eager_shapes": 2, "failure": None}
 
 
-class _ReplayedGraph:
-    """Stands in for a CUDA graph on the CPU: recording keeps copies of the arguments, a replay
-    runs the network on them (a real graph replays the recorded kernels on the same memory)."""
+class _ReplayedGraph(compiled._Graph):
+    """Stands in for a CUDA graph on the CPU, as a graph behaves: recording runs the function on
+    the copies of the arguments (what it changes in place changes there); a replay runs it again
+    on those copies and writes what it gives into the tensors the recording gave (the output,
+    and the arguments' fields it set), the same objects at every replay, as a graph's kernels
+    write the same memory."""
 
     recorded: list = []
     refuse = False
 
-    def __init__(self, network, tensors, stream) -> None:
+    def _record(self, function, stream, pool):
         if self.refuse:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        self.network, self.inputs = network, tuple(t.clone() for t in tensors)
+        self.function, self.pool_given = function, pool
+        self.unchanged = compiled._map_tensors(lambda tensor: tensor, self.arguments)
         self.recorded.append(self)
+        return function(*self.arguments), pool or f"pool of graph {len(self.recorded)}"
 
-    def replay(self, tensors):
-        for recorded, tensor in zip(self.inputs, tensors):
-            recorded.copy_(tensor)
-        return self.network(*self.inputs)
+    def _replay(self):
+        arguments = compiled._map_tensors(lambda tensor: tensor, self.unchanged)
+        output = self.function(*arguments)
+        for kept, new in zip(compiled._tensors((self.output, self.arguments)),
+                             compiled._tensors((output, arguments))):
+            if kept is not new:
+                kept.copy_(new)
 
 
 @pytest.fixture
 def replayed_graphs(monkeypatch):
     monkeypatch.setattr(compiled, "_Graph", _ReplayedGraph)
     monkeypatch.setattr(_ReplayedGraph, "recorded", [])
-    monkeypatch.setattr(compiled.CapturedNetwork, "_on_side_stream",
-                        lambda self, tensors: self._eager(*tensors))
+    monkeypatch.setattr(compiled._GraphRecorder, "_on_side_stream", lambda self, call: call())
     return _ReplayedGraph
 
 
@@ -249,6 +266,8 @@ def test_cuda_sessions_capture_graphs_and_others_compile_with_inductor(model, mo
     assert isinstance(session.compile_network(), CompiledNetwork)
     monkeypatch.setattr(session, "device", torch.device("cuda"))
     assert isinstance(session.compile_network(), CapturedNetwork)
+    assert isinstance(compile_stages(torch.device("cpu")), CompiledStages)
+    assert isinstance(compile_stages(torch.device("cuda")), CapturedStages)
 
 
 def test_a_captured_network_records_a_shape_once_and_replays_it_with_new_arguments(
@@ -322,6 +341,140 @@ def test_until_the_cache_is_settled_the_network_runs_eagerly(replayed_graphs, mo
         network(torch.zeros(2))
         assert network.compilations == 1 and len(network.shapes) == 1
     assert len(replayed_graphs.recorded) == 1 and len(calls) == 1
+
+
+@pytest.fixture
+def captured_stages(model, replayed_graphs, monkeypatch):
+    """``generate`` runs the stages as on a CUDA device, as (stand-in) CUDA graphs; the runners
+    it made."""
+    made = []
+
+    def as_on_cuda(device):
+        assert device == torch.device(model.device)
+        made.append(compile_stages(torch.device("cuda")))
+        return made[-1]
+
+    monkeypatch.setattr(engine, "compile_stages", as_on_cuda)
+    return made
+
+
+@pytest.mark.parametrize("mode", ["sjd", "pac+vp", "above_target+ac", "gsd", "auto"])
+def test_captured_stages_draw_the_eager_codes(model, captured_stages, monkeypatch, mode):
+    """Each stage recorded per tree shape and batch size (the two rows leave the batch at
+    different iterations) and replayed on copies of its arguments: the eager codes."""
+    captured, eager = run_and_replay_eagerly(model, mode, monkeypatch, batch=2,
+                                             compile_stages=True)
+    assert torch.equal(captured.codes, eager.codes)
+    report = captured.trace.meta["compile_stages"]
+    assert report["failure"] is None and captured.trace.summary()["warnings"] == []
+    assert report["compiled_shapes"] >= 1 and report["eager_shapes"] == 0
+    assert isinstance(captured_stages[0], CapturedStages)
+    if mode != "auto":  # one tree shape: a graph per stage and batch size
+        assert report["graphs"] == 4 * 2
+
+
+def test_a_replay_hands_back_what_each_stage_changes_in_its_arguments(model, captured_stages):
+    """``draft`` sets the window state's drafts, ``commit`` writes the codes and the columns'
+    targets in place; nothing else changes an argument."""
+    run(model, replace(MODES["above_target+ac"], compile_stages=True), batch=2)
+    handed_back = {}
+    for layout, recorded in captured_stages[0]._graphs.items():
+        tensors = [path for path, node in compiled._nodes(recorded.graph.unchanged)
+                   if isinstance(node, torch.Tensor)]
+        handed_back.setdefault(layout[0].__name__, set()).add(
+            (frozenset(tensors[index] for index in recorded.written), frozenset(recorded.replaced)))
+    nothing = {(frozenset(), frozenset())}
+    assert handed_back == {"draft": {(frozenset(), frozenset({(0, "tokens"), (0, "q"),
+                                                              (0, "source")}))},
+                           "verify": nothing, "advance": nothing,
+                           "commit": {(frozenset({(6,), (7,)}), frozenset())}}
+
+
+@pytest.mark.usefixtures("unchecked_draws")  # targets not handed back are all 0
+@pytest.mark.parametrize("dropped", ["written", "replaced"])
+def test_replays_that_do_not_hand_back_the_changes_draw_other_codes(model, captured_stages,
+                                                                    monkeypatch, dropped):
+    """A graph changes only its copies of the arguments: without the changes copied back (the
+    codes ``commit`` writes, the drafts ``draft`` sets) the codes go wrong."""
+    stage_graph = compiled._StageGraph
+    monkeypatch.setattr(compiled, "_StageGraph", lambda graph, written, replaced: stage_graph(
+        graph, **{"written": written, "replaced": replaced, dropped: []}))
+    captured = run(model, replace(MODES["above_target+ac"], compile_stages=True), batch=2)
+    assert captured.trace.meta["compile_stages"]["graphs"] == 8
+    assert not torch.equal(captured.codes, run(model, MODES["above_target+ac"], batch=2).codes)
+
+
+@dataclass
+class _Counter:
+    total: torch.Tensor
+    last: torch.Tensor | None = None
+
+
+def _count(counter: _Counter, step: torch.Tensor, scale: float) -> torch.Tensor:
+    """Changes its arguments as the stages do: a tensor written in place, and a field set."""
+    counter.total.add_(step)
+    counter.last = step * scale
+    return counter.total * 2
+
+
+def test_a_replay_returns_copies_and_changes_the_arguments_as_the_eager_call(replayed_graphs):
+    stages = CapturedStages(torch.device("cuda"))
+    counters, outputs = [], []
+    for step in (1.0, 2.0, 3.0):
+        counters.append(_Counter(torch.zeros(2)))
+        outputs.append(stages(_count, (4, ()), counters[-1], torch.full((2,), step), 0.5))
+    # kept from one replay to the next, as the engine keeps them
+    assert [output.tolist() for output in outputs] == [[2.0] * 2, [4.0] * 2, [6.0] * 2]
+    assert [c.total.tolist() for c in counters] == [[1.0] * 2, [2.0] * 2, [3.0] * 2]
+    assert [c.last.tolist() for c in counters] == [[0.5] * 2, [1.0] * 2, [1.5] * 2]
+    assert len(replayed_graphs.recorded) == 1
+    stages(_count, (4, ()), _Counter(torch.zeros(2)), torch.ones(2), 2.0)  # another value
+    stages(_count, (4, ()), _Counter(torch.zeros(3)), torch.ones(3), 0.5)  # another size
+    assert stages.report() == {"compiled_shapes": 1, "eager_shapes": 0, "failure": None,
+                               "graphs": 3}
+    assert [g.pool_given for g in replayed_graphs.recorded] == [None] + ["pool of graph 1"] * 2
+
+
+def _add_to_first(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    first.add_(1.0)
+    return second.clone()
+
+
+def test_a_stage_that_writes_memory_another_argument_shares_runs_eagerly(replayed_graphs):
+    """A graph on separate copies of the two would not see the write through the other."""
+    stages = CapturedStages(torch.device("cuda"))
+    assert stages(_add_to_first, (4, ()), torch.zeros(2), torch.zeros(2)).tolist() == [0.0] * 2
+    shared = torch.zeros(2)
+    for done in (1.0, 2.0):
+        assert stages(_add_to_first, (4, ()), shared, shared[:]).tolist() == [done] * 2
+    uniforms = torch.rand(4)  # memory shared but only read: recorded
+    assert torch.equal(stages(torch.add, (4, ()), uniforms[:2], uniforms[2:]),
+                       uniforms[:2] + uniforms[2:])
+    assert len(replayed_graphs.recorded) == 2
+    assert stages.report() == {"compiled_shapes": 1, "eager_shapes": 1, "failure": None,
+                               "graphs": 2}
+
+
+def test_a_refused_stage_recording_runs_eagerly_with_one_warning(model, captured_stages,
+                                                                 replayed_graphs, monkeypatch):
+    monkeypatch.setattr(replayed_graphs, "refuse", True)
+    result = run(model, replace(MODES["pac+vp"], compile_stages=True), batch=2)
+    assert torch.equal(result.codes, run(model, MODES["pac+vp"], batch=2).codes)
+    assert result.trace.summary()["warnings"] == [
+        "compile_stages=True: recording a CUDA graph failed (RuntimeError: CUDA error: operation "
+        "not permitted when stream is capturing), so the decoding stages ran uncompiled for the "
+        "rest of this generation (the same distribution, only slower)"]
+    report = result.trace.meta["compile_stages"]
+    assert report["compiled_shapes"] == 0 and report["graphs"] == 0
+
+
+def test_captured_stage_shapes_past_the_cap_run_eagerly(replayed_graphs):
+    stages = CapturedStages(torch.device("cuda"))
+    for shape in [*range(MAX_COMPILED_SHAPES + 2), 0]:
+        assert stages(torch.add, (shape,), torch.ones(2), shape).tolist() == [1.0 + shape] * 2
+    assert stages.report() == {"compiled_shapes": MAX_COMPILED_SHAPES, "eager_shapes": 2,
+                               "failure": None, "graphs": MAX_COMPILED_SHAPES}
+    assert len(replayed_graphs.recorded) == MAX_COMPILED_SHAPES
 
 
 def test_auto_does_not_time_the_iterations_in_which_the_network_compiled(monkeypatch):

@@ -28,7 +28,7 @@ import torch
 from ..messages import quote
 from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
-from ..compiled import CompiledStages
+from ..compiled import CapturedStages, CompiledStages, compile_stages
 from .drafting import Canvas, DraftTree, WindowState
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
@@ -82,8 +82,8 @@ class _Decoder:
 
     def __init__(self, model: ImageTokenModel, session: DecodingSession, sampling: SamplingSettings,
                  acceleration: AccelerationSettings, seed: int, device: torch.device,
-                 count_vp_rises: bool = False, compiled_stages: CompiledStages | None = None
-                 ) -> None:
+                 count_vp_rises: bool = False,
+                 compiled_stages: CapturedStages | CompiledStages | None = None) -> None:
         batch = session.batch_size
         self.session, self.sampling, self.acceleration = session, sampling, acceleration
         self.height, self.width = session.grid_height, session.grid_width
@@ -160,8 +160,8 @@ class _Decoder:
         return self._read_committed(verdict)
 
     def _stage_runner(self, tree: DraftTree) -> Callable:
-        """Runs a stage of :mod:`.stages` on its arguments: compiled per tree shape where the
-        stages are compiled (``compile_stages``), as it is otherwise."""
+        """Runs a stage of :mod:`.stages` on its arguments: per tree shape as a CUDA graph or
+        compiled where the stages are (``compile_stages``), as it is otherwise."""
         if self.compiled_stages is None:
             return lambda function, *args: function(*args)
         shape = (tree.window, tree.profile)
@@ -339,7 +339,7 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     max_nodes = largest_shape(acceleration)
     session = model.start(replace(request, guidance=sampling.guidance, max_nodes=max_nodes))
     network = session.compile_network() if acceleration.compiles_on(device.type) else None
-    stages = CompiledStages() if acceleration.compile_stages else None
+    stages = compile_stages(device) if acceleration.compile_stages else None
     compiled = {name: c for name, c in (("compile", network), ("compile_stages", stages))
                 if c is not None}
     plan: Plan = make_plan(acceleration, model, request, sampling, device,

@@ -14,10 +14,10 @@ Random weights say nothing about acceptance; the table measures costs, and where
   time means the forward is bound by kernel launches, not by the device;
 * plain autoregression, PAC+VP and auto, each eager and compiled (``compile=True``: CUDA graphs
   over a static cache on CUDA), and PAC+VP and auto with their stages compiled too
-  (``compile_stages=True``, inductor): per iteration the wall-clock, the host's time outside
-  waiting on reads, the device's busy time, codes, reads back to the host and blocking
-  host-to-device copies; and the seconds to the first measured iteration (which include
-  compiling);
+  (``compile_stages=True``: CUDA graphs on CUDA, inductor elsewhere): per iteration the
+  wall-clock, the host's time outside waiting on reads, the device's busy time, codes, reads
+  back to the host and blocking host-to-device copies; and the seconds to the first measured
+  iteration (which include compiling);
 * peak memory.
 """
 
@@ -231,22 +231,22 @@ class _Compiling:
 
     def __enter__(self) -> dict[str, list]:
         self.made: dict[str, list] = {"network": [], "stages": []}
-        self._network, self._stages = SlotSession.compile_network, engine.CompiledStages
+        self._network, self._stages = SlotSession.compile_network, engine.compile_stages
 
         def network(session):
             made = self._network(session)
             self.made["network"].append(made)
             return made
 
-        def stages():
-            made = self._stages()
+        def stages(device):
+            made = self._stages(device)
             self.made["stages"].append(made)
             return made
-        SlotSession.compile_network, engine.CompiledStages = network, stages
+        SlotSession.compile_network, engine.compile_stages = network, stages
         return self.made
 
     def __exit__(self, *exc) -> None:
-        SlotSession.compile_network, engine.CompiledStages = self._network, self._stages
+        SlotSession.compile_network, engine.compile_stages = self._network, self._stages
 
 
 def run_name(run: dict) -> str:
