@@ -197,6 +197,22 @@ def test_drafts_are_counted_on_the_longest_window_that_could_pay(steep):
         assert (plan.profile.at_risk != before).any() == (fed >= plan.counted_from), fed
 
 
+def test_a_window_is_counted_on_for_its_expected_rate_not_for_its_luck():
+    """Drafts fail at 15% at depths 1..15; each deeper depth was reached once and passed.
+    Window 32 could come within 15% of the best shape only if all those deeper drafts passed
+    every time (the luckiest reading of one pass each); expected, it is more than 15% below,
+    as window 24 is not: drafts are counted from window 24 on, not only on runs of 32."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    plan.profile.at_risk[1:16], plan.profile.stopped[1:16] = 1000.0, 150.0
+    plan.profile.at_risk[16:] = 1.0
+    plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * 0.0004, 16: 0.010 + 16 * 0.0004}
+    rates, lucky = plan._rates(), plan._optimistic_rates()
+    window = {shape.window: index for index, shape in enumerate(plan.shapes)}
+    assert lucky[window[32]] >= 0.85 * rates.max() > rates[window[32]]
+    assert rates[window[24]] >= 0.85 * rates.max()
+    assert plan._longest_hopeful_window(rates) == 24
+
+
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():
     """A shape's first forward can take several times its usual time (the first in a process,
     or after the prefill), and the next few after a switch of shape still run slower; kept, they

@@ -199,10 +199,9 @@ class AutoPlan:
     could still pay, in its settled iterations: drafts there have been refined as often as they
     can be, and the estimate then predicts shorter windows well, while an estimate made on a
     short window would see its drafts less refined and underrate every longer one. That is the
-    longest window of all unless no window longer than some other could come within 15% of
-    the best shape (about what a shorter window's counts underrate a longer one by) even with
-    the luckiest acceptance the counts allow, as where each fed node costs much (a batch);
-    then the iterations of that other window, and of any longer one fed, count too, so that
+    longest window of all unless no window longer than some other is expected to come within
+    15% of the best shape (about what a shorter window's counts underrate a longer one by), as
+    where each fed node costs much (a batch); then the iterations of that other window, and of any longer one fed, count too, so that
     the estimate follows the rows being drawn rather than the rows the last run of the longest
     window happened to see (an image's rows differ by a third in how many drafts pass). The
     longest window (in turn with and without its full tree) runs now and then for a few
@@ -369,11 +368,13 @@ class AutoPlan:
         return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
 
     def _longest_hopeful_window(self, rates: np.ndarray) -> int:
-        """The longest chain window that could come within ``_UNDERRATED`` of the best shape if
-        its drafts were as lucky as the counts allow (the longest window where none could):
-        drafts are counted on it and on any longer window fed."""
+        """The longest chain window expected to come within ``_UNDERRATED`` of the best shape
+        (the longest window where none is): drafts are counted on it and on any longer window
+        fed. Its expected rate, not the luckiest one the counts allow: depths that few drafts
+        reached (those of one early run of the longest window) would keep a long window
+        hopeful on that luck, and its iterations, which are skipped, the only ones counted."""
         hopeful = (self.levels == 0) & (self.windows > 1) & (
-            self._optimistic_rates() >= (1.0 - _UNDERRATED) * rates.max())
+            rates >= (1.0 - _UNDERRATED) * rates.max())
         return int(self.windows[hopeful].max()) if hopeful.any() else self.probes[0].window
 
     def _optimistic_rates(self) -> np.ndarray:
