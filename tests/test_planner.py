@@ -213,6 +213,22 @@ def test_a_window_is_counted_on_for_its_expected_rate_not_for_its_luck():
     assert plan._longest_hopeful_window(rates) == 24
 
 
+def test_a_plan_on_plain_autoregression_still_runs_the_longest_window():
+    """Drafts fail at 90% and every fed node costs 1 ms, so AR is the best shape and a run of
+    window 32 could not pay even with luck. AR iterations count no drafts and time no window,
+    so a run is the only way a wrong estimate (one slow time of a window) could ever move:
+    while AR is fed, runs come every 64 iterations (times the root of the runs made), never
+    skipped, instead of the interval stretched by the run's cost."""
+    plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.9], 0.0)
+    plan.profile.seconds = {1: 0.010, 4: 0.014, 16: 0.026}
+    plan.profile.probes_made, plan.profile.until_probe = 1, 10_000
+    plan.current = 0  # as a generation that ended on AR leaves the next one
+    rates = plan._rates()
+    assert rates.argmax() == 0 and plan._optimistic_rates()[-1] < rates.max()
+    fed = [describe_shape(plan.choose()) for _ in range(64)]
+    assert fed[:63] == ["AR"] * 63 and fed[63] == "window 32" and len(plan.queue) == 9
+
+
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():
     """A shape's first forward can take several times its usual time (the first in a process,
     or after the prefill), and the next few after a switch of shape still run slower; kept, they

@@ -336,6 +336,9 @@ class AutoPlan:
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
             cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
+        if self._on_ar():  # AR counts no drafts and times no window: only a run can move it
+            profile.until_probe = min(profile.until_probe,
+                                      int(_PROBE * math.sqrt(max(profile.probes_made, 1))))
         profile.until_probe -= 1
         if profile.until_probe <= 0:
             self.queue = self._probe_run(rates)
@@ -357,15 +360,21 @@ class AutoPlan:
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next run of the longest window, in turn without and with its tree; none where
         that shape could not beat the best one even if it were as lucky as what was counted
-        allows (:meth:`_optimistic_rates`): such a run would only cost."""
+        allows (:meth:`_optimistic_rates`): such a run would only cost. While the plan feeds
+        plain autoregression no run is skipped: its iterations count no drafts and time no
+        window, so one slow time of a window would otherwise keep it on AR for good."""
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
         profile.probes_made += 1
         profile.until_probe = None
         index = self.shapes.index(probe)
-        if self._optimistic_rates()[index] < rates.max():
+        if not self._on_ar() and self._optimistic_rates()[index] < rates.max():
             return []
         return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
+
+    def _on_ar(self) -> bool:
+        """Whether the shape fed between runs is plain autoregression."""
+        return self.shapes[self.current].window == 1
 
     def _longest_hopeful_window(self, rates: np.ndarray) -> int:
         """The longest chain window expected to come within ``_UNDERRATED`` of the best shape
