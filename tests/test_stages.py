@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from sjd_core.compiled import _map_tensors
 from sjd_core.decoding import engine, sampling, stages
 from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
@@ -28,14 +29,7 @@ MODES = {"sjd": AccelerationSettings.preset("sjd", window=6),
 
 def _copied(value):
     """``value`` with every tensor in it cloned (dataclasses, tuples and lists followed)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return type(value)(**{f.name: _copied(getattr(value, f.name))
-                              for f in dataclasses.fields(value) if f.init})
-    if isinstance(value, (tuple, list)):
-        return type(value)(_copied(item) for item in value)
-    return value
+    return _map_tensors(torch.clone, value)
 
 
 def _same(got, want) -> None:

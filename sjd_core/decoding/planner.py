@@ -201,14 +201,15 @@ class AutoPlan:
     short window would see its drafts less refined and underrate every longer one. That is the
     longest window of all unless no window longer than some other is expected to come within
     15% of the best shape (about what a shorter window's counts underrate a longer one by), as
-    where each fed node costs much (a batch); then the iterations of that other window, and of any longer one fed, count too, so that
-    the estimate follows the rows being drawn rather than the rows the last run of the longest
-    window happened to see (an image's rows differ by a third in how many drafts pass). The
-    longest window (in turn with and without its full tree) runs now and then for a few
-    iterations, more rarely the more it costs against the best shape and the more runs have
-    been made (the interval grows with the square root of their number, so the estimate keeps
-    learning while probing costs less); a run that could not pay even with the luckiest
-    acceptance the counts allow is skipped.
+    where each fed node costs much (a batch); then the iterations of that other window, and of
+    any longer one fed, count too, so that the estimate follows the rows being drawn rather
+    than the rows the last run of the longest window happened to see (an image's rows differ by
+    a third in how many drafts pass). The longest window (in turn with and without its full
+    tree) runs now and then for a few iterations, more rarely the more it costs against the
+    best shape and the more runs have been made (the interval grows with the square root of
+    their number, so the estimate keeps learning while probing costs less); a run that could
+    not pay even with the luckiest acceptance the counts allow is skipped, except while plain
+    autoregression is fed, whose iterations teach nothing about windows.
 
     A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
     (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
