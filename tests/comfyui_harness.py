@@ -281,6 +281,21 @@ class Listener:
         with self._lock:
             return [e["data"] for e in self.events if e.get("type") == event]
 
+    def wait_for_end(self, prompt_id: str, timeout: float = 30.0) -> None:
+        """Block until ComfyUI announced the end of ``prompt_id``.
+
+        The server writes ``/history`` first and sends this message after it, from another
+        thread, so a prompt can be in the history before its last messages reached the socket.
+        Messages arrive in order: once this one is here, every earlier one is too.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(m.get("node") is None and m.get("prompt_id") == prompt_id
+                   for m in self.of("executing")):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"no end-of-prompt message for {prompt_id} in {timeout}s")
+
     def wait_for(self, event: str, count: int = 1, timeout: float = 120.0) -> list[dict]:
         """Block until ``count`` messages of type ``event`` arrived; returns them."""
         deadline = time.monotonic() + timeout

@@ -41,8 +41,20 @@ def workflow(name: str, folder: Path = WORKFLOWS) -> dict:
     return json.loads((folder / f"{name}.json").read_text())
 
 
-def run(server: ComfyServer, prompt: dict, timeout: float = 300) -> dict:
-    entry = server.wait(server.queue(prompt), timeout)
+def finish(server: ComfyServer, prompt: dict, listener: Listener | None = None,
+           timeout: float = 300) -> dict:
+    """Queue ``prompt`` and return its history entry, once every message reached ``listener``."""
+    prompt_id = server.queue(prompt)
+    entry = server.wait(prompt_id, timeout)
+    if listener is not None:
+        listener.wait_for_end(prompt_id)
+    return entry
+
+
+def run(server: ComfyServer, prompt: dict, timeout: float = 300,
+        listener: Listener | None = None) -> dict:
+    """``finish`` a prompt that must succeed."""
+    entry = finish(server, prompt, listener, timeout)
     status = entry["status"]
     assert status["status_str"] == "success", json.dumps(status["messages"])[-3000:]
     return entry
@@ -83,7 +95,7 @@ def test_extension_script_is_served(server):
 def test_text_to_image_workflow_runs(server, object_info):
     prompt = ui_to_api(workflow(TEXT_TO_IMAGE), object_info)
     with Listener(server) as listener:
-        entry = run(server, prompt)
+        entry = run(server, prompt, listener=listener)
     sampler = nodes_of(prompt, "SJDSamplerV2")[0]
     shown = entry["outputs"][sampler]
     # /history holds the summary and the chart's series only, not the trace.
@@ -157,8 +169,7 @@ def test_a_bad_value_fails_with_the_packs_message(server, object_info):
     sampler = nodes_of(prompt, "SJDSamplerV2")[0]
     prompt[sampler]["inputs"]["prompt"] = "a red sports car"
     with Listener(server) as listener:
-        entry = server.wait(server.queue(prompt))
-        listener.wait_for("execution_error", timeout=30)  # the message may follow the history
+        entry = finish(server, prompt, listener)
     assert entry["status"]["status_str"] == "error"
     (error,) = listener.of("execution_error")
     assert error["node_id"] == sampler
@@ -173,8 +184,7 @@ def test_every_family_size_passes_comfyuis_check_and_the_model_decides(server, o
     sampler = nodes_of(prompt, "SJDSamplerV2")[0]
     prompt[sampler]["inputs"]["resolution"] = "1024x256"
     with Listener(server) as listener:
-        entry = server.wait(server.queue(prompt))  # queued: ComfyUI's list check let it through
-        listener.wait_for("execution_error", timeout=30)  # the message may follow the history
+        entry = finish(server, prompt, listener)  # queued: ComfyUI's list check let it through
     assert entry["status"]["status_str"] == "error"
     (error,) = listener.of("execution_error")
     assert error["node_id"] == sampler
