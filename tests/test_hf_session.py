@@ -157,6 +157,36 @@ def test_advance_equals_stepwise_and_mixes_with_windows(llama, prompts, negative
 
 
 @torch.no_grad()
+def test_advance_of_rows_out_of_step_skips_the_layout_and_stays_exact(llama):
+    """After a window that kept different paths, the rows have committed different counts.
+    Plain autoregression's advance then feeds each row's code at its own row's next column
+    without the layout (a forward only for the first advance and where some row's code ends a
+    grid row), and every logit, guided rows included, is the plain sequence's."""
+    prompts, uncond_prompts = [[1, 5, 7, 2, 9], [1, 6, 2, 9]], [[2, 9], [3, 2, 9]]
+    seqs = [CODES, CODES[::-1]]
+    refs = [(reference_logits(llama, prompts[b], seqs[b], GRID[1]),
+             reference_logits(llama, uncond_prompts[b], seqs[b], GRID[1])) for b in range(2)]
+    session = HFSession(parts(llama), [Context(ids=torch.tensor(p)) for p in prompts],
+                        [Context(ids=torch.tensor(p)) for p in uncond_prompts], GRID)
+    window_forward(session, seqs, [-1, -1], width=3)
+    keep_first(session, [3, 1], width=3)  # slots -1..1 and -1: two codes apart
+    forwards = []
+    forward = session.forward
+    session.forward = lambda *args: (forwards.append(args[3]), forward(*args))[1]
+    committed = [3, 1]
+    while max(committed) < 12:
+        codes = torch.tensor([seq[c - 1] for seq, c in zip(seqs, committed)])
+        cond, uncond = session.advance(codes, committed)
+        for b in range(2):
+            torch.testing.assert_close(cond[b], refs[b][0][committed[b]], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(uncond[b], refs[b][1][committed[b]], atol=1e-5, rtol=1e-5)
+        committed = [c + 1 for c in committed]
+    # a forward for the first advance after the window and for every code that ends a grid row
+    # of 4 (slots 3 and 7): row 0's at [4, 2] and [8, 6], row 1's at [6, 4] and [10, 8]
+    assert forwards == [[3, 1], [4, 2], [6, 4], [8, 6], [10, 8]], forwards
+
+
+@torch.no_grad()
 def test_advance_that_does_not_continue_the_cache_is_refused(llama):
     session = HFSession(parts(llama), [Context(ids=torch.tensor(PROMPT))], None, GRID)
     for committed in range(2):

@@ -13,7 +13,7 @@ Per forward the session reads nothing back from the device: the committed counts
 caller, the tree's depths are read once per tree (the engine builds one per generation; a single
 node needs no read). Its own work is a fixed number of tensor operations on the fed tokens only,
 whatever the length of the cached prefix. Plain autoregression's ``advance`` (one code per row,
-kept at once) skips most of it while the rows are in step.
+kept at once) skips most of it between row ends.
 
 Static shapes: inside the network every tensor's shape depends only on the fed shape (rows,
 tokens). Every forward attends through the mask buffer read at the cache's full capacity (columns
@@ -71,8 +71,8 @@ class SlotSession(DecodingSession):
     prefix, start: per row, the length of its context in the cache (its tokens but the slot -1
         token) and the position of its slot -1 token (see :class:`.token_layout.GridLayout`). A
         shorter context is padded at the front, so that every row's image starts at the same
-        cache column: rows that have committed as many slots are then in step (no layout for
-        plain autoregression), whatever their prompts' lengths.
+        cache column: rows that have committed as many slots then put their next codes in one
+        column, whatever their prompts' lengths.
     max_nodes: the most nodes one forward feeds; the cache is sized once for it. A forward that
         feeds more enlarges the cache (one copy) instead of failing.
     mask_dtype: the attention mask's dtype (the model's dtype for additive masks, or bool).
@@ -180,7 +180,7 @@ class SlotSession(DecodingSession):
         done = self._check_inputs(codes, slots, ancestors, committed)
         self._drop_unkept()
         depth, host_ancestors, tree_block, moved = self._tree_of(ancestors)
-        rows_done = np.concatenate([done, done]) if self.guided else done
+        rows_done = self._sequence_counts(done)
         plan = self.layout.plan(rows_done, depth, host_ancestors)
         self._reserve(plan)
         path_tokens = min(self.layout.tokens_per_forward(int(depth.max()) + 1), plan.tokens)
@@ -297,18 +297,19 @@ class SlotSession(DecodingSession):
         row and keep them; the logits (B, codebook) of the next slot, as ``forward`` gives them.
 
         The same as ``forward`` of one node and ``keep`` of it, and done that way when a row end
-        is due, for the slot -1 token, when the rows are not in step (their committed counts
-        differ) or after a ``forward``. Otherwise it skips their bookkeeping: no layout, no check
-        on the device, the new column opened in the mask before the network runs (the code is
-        kept); ``committed`` (a list) must then be the last advance's plus one in every row, and
-        nothing else is read from it. After an advance, committed counts that do not continue it
-        are refused.
+        is due in some row, for the slot -1 token, or after a ``forward``. Otherwise it skips
+        their bookkeeping: no layout, no check on the device, the new column opened in the mask
+        before the network runs (the code is kept); ``committed`` (a list) must then be the last
+        advance's plus one in every row, and nothing else is read from it. Rows may have
+        committed different counts (after windows that kept different paths): each code then
+        goes to its own row's next column. After an advance, committed counts that do not
+        continue it are refused.
         """
         if codes.ndim != 1 or codes.shape[0] != self.batch_size:
             raise ValueError(f"advance got codes of shape {tuple(codes.shape)}; expected "
                              f"(B={self.batch_size},), one code per row.")
         if self._in_step and isinstance(committed, list) and committed == self._expected:
-            return self._advance_in_step(codes, committed[0], mark)
+            return self._advance_in_step(codes, np.asarray(committed), mark)
         done = self._check_inputs(codes[:, None], codes[:, None], self._one_node, committed)
         if self._expected is not None and done.tolist() != self._expected:
             raise ValueError(f"advance got committed={quote(committed)}, which does not continue the "
@@ -319,19 +320,17 @@ class SlotSession(DecodingSession):
         cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
                                     committed, mark)
         self.keep(self._keep_one)
-        following = done + 1  # every row's prefix is as long: equal counts are equal lengths
+        following = done + 1
         self._expected = following.tolist()
-        self._in_step = bool(following.min() == following.max()
-                             and not self.layout.ends_row(int(following[0]) - 1))
+        self._in_step = not self.layout.ends_row(done).any()  # the next codes' slots
         return cond[:, 0], None if uncond is None else uncond[:, 0]
 
-    def _advance_in_step(self, codes: torch.Tensor, committed: int,
+    def _advance_in_step(self, codes: torch.Tensor, committed: np.ndarray,
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``advance`` when every row has committed ``committed`` slots (so holds as many cache
-        columns) and the code fed ends no grid row (host integers only, no layout)."""
-        first = int(self.layout.cached_length(committed)[0])
-        positions = self._start_positions + int(self.layout.code_offset(committed - 1))
-        columns = torch.full((len(self.layout.prefix), 1), first, device=self.device)
+        """``advance`` where the rows have committed ``committed`` slots, continuing the last
+        advance, and no code fed ends a grid row: no layout, only each row's next column."""
+        columns, offsets = self._next_places(committed)
+        positions = self._start_positions + offsets
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
         self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
@@ -339,12 +338,32 @@ class SlotSession(DecodingSession):
         logits = self._logits(self._network(inputs, positions, self.mask.view(1), columns))[:, 0]
         if mark is not None:
             mark()
-        self._held, self._kept = np.full(len(self.layout.prefix), first), self._kept_one
-        self._expected = [committed + 1] * self.batch_size
-        self._in_step = not self.layout.ends_row(committed)  # the next code's slot
+        self._held = self.layout.cached_length(self._sequence_counts(committed))
+        self._kept = self._kept_one
+        self._expected = (committed + 1).tolist()
+        self._in_step = not self.layout.ends_row(committed).any()  # the next codes' slots
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
+
+    def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
+        """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
+        return np.concatenate([committed, committed]) if self.guided else committed
+
+    def _next_places(self, committed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """The cache column (R, 1) where each sequence's next code goes after ``committed``
+        slots, and how far past its slot -1 token that code sits (R, 1 or a number). Every
+        row's prefix is as long, so rows in step share one column: host integers, nothing
+        copied; rows out of step send theirs in one copy."""
+        counts = self._sequence_counts(committed)
+        if counts.min() == counts.max():
+            column = int(self.layout.cached_length(counts[:1])[0])
+            return (torch.full((len(counts), 1), column, device=self.device),
+                    int(self.layout.code_offset(int(counts[0]) - 1)))
+        places = host_to_device({"columns": self.layout.cached_length(counts).reshape(-1, 1),
+                                 "offsets": self.layout.code_offset(counts - 1).reshape(-1, 1)},
+                                self.device)  # contiguous, as a compiled network's graph wants
+        return places["columns"], places["offsets"]
 
     # ------------------------------------------------------------------ keep and retain
     @torch.no_grad()
