@@ -320,16 +320,16 @@ class SlotSession(DecodingSession):
         cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
                                     committed, mark)
         self.keep(self._keep_one)
-        following = done + 1
-        self._expected = following.tolist()
-        self._in_step = not self.layout.ends_row(done).any()  # the next codes' slots
+        self._continue_from(done)
         return cond[:, 0], None if uncond is None else uncond[:, 0]
 
     def _advance_in_step(self, codes: torch.Tensor, committed: np.ndarray,
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``advance`` where the rows have committed ``committed`` slots, continuing the last
         advance, and no code fed ends a grid row: no layout, only each row's next column."""
-        columns, offsets = self._next_places(committed)
+        counts = self._sequence_counts(committed)
+        held = self.layout.cached_length(counts)  # each sequence's next column
+        columns, offsets = self._next_places(counts, held)
         positions = self._start_positions + offsets
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
         self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
@@ -338,10 +338,8 @@ class SlotSession(DecodingSession):
         logits = self._logits(self._network(inputs, positions, self.mask.view(1), columns))[:, 0]
         if mark is not None:
             mark()
-        self._held = self.layout.cached_length(self._sequence_counts(committed))
-        self._kept = self._kept_one
-        self._expected = (committed + 1).tolist()
-        self._in_step = not self.layout.ends_row(committed).any()  # the next codes' slots
+        self._held, self._kept = held, self._kept_one
+        self._continue_from(committed)
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
@@ -350,20 +348,26 @@ class SlotSession(DecodingSession):
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
         return np.concatenate([committed, committed]) if self.guided else committed
 
-    def _next_places(self, committed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """The cache column (R, 1) where each sequence's next code goes after ``committed``
-        slots, and how far past its slot -1 token that code sits (R, 1 or a number). Every
-        row's prefix is as long, so rows in step share one column: host integers, nothing
-        copied; rows out of step send theirs in one copy."""
-        counts = self._sequence_counts(committed)
-        if counts.min() == counts.max():
-            column = int(self.layout.cached_length(counts[:1])[0])
-            return (torch.full((len(counts), 1), column, device=self.device),
+    def _next_places(self, counts: np.ndarray, held: np.ndarray
+                     ) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """The cache column (R, 1) of each sequence's next code, ``held`` (R,) its cached length
+        after ``counts`` (R,) slots, and how far past its slot -1 token that code sits (R, 1 or a
+        number). Every row's prefix is as long, so rows in step share one column: host
+        integers, nothing copied; rows out of step send theirs in one copy."""
+        if held.min() == held.max():
+            return (torch.full((len(held), 1), int(held[0]), device=self.device),
                     int(self.layout.code_offset(int(counts[0]) - 1)))
-        places = host_to_device({"columns": self.layout.cached_length(counts).reshape(-1, 1),
+        places = host_to_device({"columns": held.reshape(-1, 1),
                                  "offsets": self.layout.code_offset(counts - 1).reshape(-1, 1)},
                                 self.device)  # contiguous, as a compiled network's graph wants
         return places["columns"], places["offsets"]
+
+    def _continue_from(self, committed: np.ndarray) -> None:
+        """What the next advance must give after one that fed the codes at slots
+        ``committed - 1`` (B,): one slot more per row, and the lean step unless a code it
+        feeds ends a grid row."""
+        self._expected = (committed + 1).tolist()
+        self._in_step = not self.layout.ends_row(committed).any()
 
     # ------------------------------------------------------------------ keep and retain
     @torch.no_grad()
