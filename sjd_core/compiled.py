@@ -91,11 +91,11 @@ class CompiledNetwork(_PerShape):
     began compile: once images finish and their rows leave, a smaller batch would compile every
     shape again, seconds each, for the few iterations left, so those forwards run eagerly.
 
-    shapes: the fed shapes that ran compiled; ``eager_shapes``: those that ran eagerly because
+    shapes: the fed shapes that ran compiled, each the arguments' shapes and strides (inductor
+    compiles again for other strides); ``eager_shapes``: those that ran eagerly because
     ``MAX_COMPILED_SHAPES`` were compiled already or rows had left; ``compilations``: calls
-    that compiled a shape
-    (each takes far longer than the network runs); ``failure``: why compiling stopped, a
-    sentence for the run's warnings (None while it works).
+    that compiled a shape (each takes far longer than the network runs); ``failure``: why
+    compiling stopped, a sentence for the run's warnings (None while it works).
     """
 
     def __init__(self, network: Network, device: torch.device,
@@ -109,7 +109,7 @@ class CompiledNetwork(_PerShape):
             self._compiled, self.failure = None, _failure(error)
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        shape = _shape_of(tensors)
+        shape = _layout_of(tensors)
         if self._runs_eagerly(shape):
             return self._eager(*tensors)
         self._rows = self._rows or len(tensors[0])
@@ -176,6 +176,13 @@ def _graphs_compiled() -> int:
 
 def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
     return tuple(tuple(t.shape) for t in tensors)
+
+
+def _layout_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """The shapes and strides of ``tensors``: what inductor compiles one graph for (a graph is
+    specialised to its arguments' strides, so the same shapes with other strides compile again;
+    a CUDA graph copies its arguments in, and needs only the shapes)."""
+    return tuple((tuple(t.shape), t.stride()) for t in tensors)
 
 
 _Path = tuple  # field names and indices that lead from a stage's arguments to one object in them

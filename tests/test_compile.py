@@ -207,6 +207,26 @@ def test_shapes_past_the_cap_run_eagerly(monkeypatch):
     assert calls["eager"] == MAX_COMPILED_SHAPES + 4  # inside the compiled ones, and 3 eager calls
 
 
+def test_arguments_of_new_strides_count_as_a_shape_as_inductor_compiles_them_again():
+    """Inductor specialises a graph to its arguments' strides: the same shapes with other
+    strides compile again, so they count against the cap like a new shape (else a compile would
+    go unreported and past the cap)."""
+    torch._dynamo.reset()
+
+    def doubled(inputs, positions):
+        return inputs * 2 + positions
+
+    network = CompiledNetwork(doubled, torch.device("cpu"))
+    with torch._dynamo.config.patch(recompile_limit=8):
+        frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        square = torch.ones(3, 3)
+        for inputs in (square, square.t(), square + 1, square.t() + 1):
+            assert torch.equal(network(inputs, torch.zeros(3, 3)), inputs * 2)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
+    assert graphs == network.compilations == 2
+    assert network.report() == {"compiled_shapes": 2, "eager_shapes": 0, "failure": None}
+
+
 def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
     """Inductor compiles only the rows the batch had when compiling began."""
     compiled_rows = []
@@ -523,5 +543,5 @@ def test_past_the_graphs_torch_keeps_per_function_the_run_warns(monkeypatch):
     for tokens in (1, 2):
         out = network(torch.ones(2, tokens), torch.zeros(2, tokens), torch.zeros(2, 1, tokens, 8))
         assert torch.equal(out, torch.full((2, tokens), 2.0))
-    assert network.shapes == {((2, 1), (2, 1), (2, 1, 1, 8))}
+    assert network.shapes == {(((2, 1), (1, 1)), ((2, 1), (1, 1)), ((2, 1, 1, 8), (8, 8, 8, 1)))}
     assert "FailOnRecompileLimitHit" in network.report()["failure"]
