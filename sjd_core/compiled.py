@@ -175,6 +175,7 @@ def _graphs_compiled() -> int:
 
 
 def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """The shapes of ``tensors``: what a CUDA graph is recorded for (see :func:`_layout_of`)."""
     return tuple(tuple(t.shape) for t in tensors)
 
 
