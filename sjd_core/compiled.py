@@ -133,7 +133,7 @@ class CompiledStages(_PerShape):
     :class:`CapturedStages` records them as CUDA graphs), or eager (see the module:
     the same cap and fallback as the network's). A function's first graph has the shapes of its
     first call; the next batch size compiles one for every batch size (rows leave the batch as
-    their images finish) but a single row, so a tree shape costs at most three graphs per stage.
+    their images finish) but a single row, so a tree shape costs at most three graphs per function.
 
     Where the network is one graph, the stages around it still dispatch their operations one by
     one: some 400 per iteration of PAC+VP, each a kernel launch on a GPU. Compiled, they become

@@ -41,7 +41,7 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
         assert run["busy_ms_per_iteration"] is None and run["warmup_seconds"] > 0
         assert f"| {gpu_check.run_name(run)} | {run['ms_per_iteration']:.2f} |" in printed
         if stages:  # compiled for real, not a fallback
-            assert run["stage_graphs"]["failure"] is None and run["stage_graphs"]["graphs"] >= 4
+            assert run["stage_graphs"]["failure"] is None and run["stage_graphs"]["graphs"] >= 2
             assert run["codes_compared"] > 0
     assert runs[("ar", False, False)]["codes_per_iteration"] == 1.0
     assert runs[("ar", True, False)]["codes_per_iteration"] == 1.0

@@ -34,7 +34,7 @@ from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
 from .sampling import IterationUniforms, RowRandom, process, sample
 from .settings import AccelerationSettings, SamplingSettings, require
-from .stages import Commit, advance, commit, draft, verify
+from .stages import Outcome, conclude, draft
 from .trace import Trace, TraceRecorder
 from .verify import Verdict, acceptance_rule
 
@@ -132,8 +132,9 @@ class _Decoder:
         return [1] * len(self.rows)
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
-        """Draft the window as ``tree``, feed it, verify it, commit the accepted path, advance
-        the window (the stages of :mod:`.stages`), then read the committed counts back once.
+        """Draft the window as ``tree``, feed it, then verify it, commit the accepted path and
+        advance the window in one call (the stages of :mod:`.stages`), keep the trace and the
+        accepted path's cache, and read the committed counts back once.
 
         The drafts held are those of the window fed now: where ``auto`` feeds a shorter window
         than the iteration before, the drafts past it are dropped (keeping them would cost every
@@ -147,17 +148,15 @@ class _Decoder:
         node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
         cond, uncond = self.session.forward(drafts.tokens, node_slots, tree.host_ancestors,
                                             self.done, self.recorder.clock.mark)
-        target, verdict = stage(verify, tree, cond, uncond, self.sampling,
-                                self.guidance.after(node_slots), drafts, self.state.q, numbers,
-                                self.rule, self.acceleration.adaptive_shape)
-        made = stage(commit, tree, target, verdict, drafts, self.committed, self.row_start,
-                     self.codes, self.column_targets, self.slots, self.width)
-        self._record(target, verdict, made)
-        self.session.keep(verdict.on_path & (tree.depth < made.count))
-        self.state, self.committed, self.anchor = stage(
-            advance, self.state, tree, target, verdict, made.count, self.committed,
-            self.acceleration, numbers)
-        return self._read_committed(verdict)
+        outcome = stage(conclude, tree, cond, uncond, self.sampling,
+                        self.guidance.after(node_slots), drafts, self.state, numbers, self.rule,
+                        self.acceleration.adaptive_shape, self.committed, self.row_start,
+                        self.codes, self.column_targets, self.slots, self.width,
+                        self.acceleration)
+        self._record(outcome)
+        self.session.keep(outcome.verdict.on_path & (tree.depth < outcome.made.count))
+        self.state, self.committed, self.anchor = outcome.state, outcome.committed, outcome.anchor
+        return self._read_committed(outcome.verdict)
 
     def _stage_runner(self, tree: DraftTree) -> Callable:
         """Runs a stage of :mod:`.stages` on its arguments: per tree shape as a CUDA graph or
@@ -176,13 +175,14 @@ class _Decoder:
         elif self.state.tokens.shape[1] != window:
             self.state = self.state.resized(window)
 
-    def _record(self, target: torch.Tensor, verdict: Verdict, made: Commit) -> None:
-        """The trace's records of the iteration (and VP's bet, where counted)."""
+    def _record(self, outcome: Outcome) -> None:
+        """The trace's records of the iteration (and VP's bet, where counted, on the window the
+        drafts came from)."""
+        made, verdict = outcome.made, outcome.verdict
         self.recorder.entered_window(self.iteration, self.row_start[:, None] + made.window_slots
                                      .clamp_max(self.slots))
-        self.recorder.committed_slots(self.iteration, made.writes,
-                                      target.amax(-1).gather(1, verdict.path), verdict.kinds,
-                                      verdict.probability, made.sources)
+        self.recorder.committed_slots(self.iteration, made.writes, outcome.path_peaks,
+                                      verdict.kinds, verdict.probability, made.sources)
         if self.count_vp_rises:
             self._count_rises(verdict.tokens, made.committing)
 

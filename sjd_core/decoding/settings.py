@@ -154,11 +154,11 @@ class AccelerationSettings:
         batch sizes.
     compile_stages: also compile the speculative iteration's stages (draft, verify, commit,
         advance: some 400 small operations per PAC+VP iteration, each a kernel launch on a GPU),
-        each whole, for at most 8 tree shapes per generation: on CUDA recorded as CUDA graphs
-        (one launch per stage; a graph per stage, tree shape and batch size, recorded again by
-        each generation in about the time of an eager call), elsewhere compiled by inductor
-        (per tree shape at most three graphs per stage: the first batch size, every other one, a
-        single row). Off by default, and not on the nodes, until a GPU run shows that it pays
+        as two calls (draft; verify, commit and advance), each whole, for at most 8 tree shapes
+        per generation: on CUDA recorded as CUDA graphs (one launch per call; a graph per call,
+        tree shape and batch size, recorded again by each generation in about the time of an
+        eager call), elsewhere compiled by inductor (per tree shape at most three graphs per
+        call: the first batch size, every other one, a single row). Off by default, and not on the nodes, until a GPU run shows that it pays
         (``python -m sjd_core.tools.gpu_check`` times it): on a CPU it costs seconds of
         compiling per graph and pays only where verifying over a large codebook is a large part
         of an iteration. Lossless, as ``compile``.

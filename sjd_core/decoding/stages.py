@@ -5,8 +5,10 @@ takes no branch on a tensor's value and makes no shape that depends on one, so e
 one graph (``torch.compile(fullgraph=True)``, ``tests/test_stages.py``) and can be captured per
 tree shape. Feeding is the session's ``forward``: its host layout of the fed tokens, then the
 network, compiled or captured per fed shape on its own (:mod:`sjd_core.compiled`). The
-engine (:meth:`.engine._Decoder.speculative_step`) calls them in that order, keeps the trace and
-reads the committed counts back once, after ``advance``.
+engine (:meth:`.engine._Decoder.speculative_step`) calls ``draft``, feeds, then
+:func:`conclude` (``verify``, ``commit`` and ``advance`` in one call, so that compiled or
+captured they are one graph: the target and the verdict between them stay inside it), keeps
+the trace and reads the committed counts back once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .sampling import IterationUniforms, exponential, process
 from .settings import AccelerationSettings, SamplingSettings
 from .verify import BONUS, Verdict, verify_tree
 
-__all__ = ["Commit", "Drafts", "advance", "commit", "draft", "verify"]
+__all__ = ["Commit", "Drafts", "Outcome", "advance", "commit", "conclude", "draft", "verify"]
 
 
 @dataclass
@@ -105,3 +107,36 @@ def advance(state: WindowState, tree: DraftTree, target: torch.Tensor, verdict: 
     stale = take_rows(target, flat_rows(verdict.path.gather(1, moved_from), tree.size))
     return (redraft(shifted, stale, has_target, settings, numbers.keep, numbers.draw),
             committed + count[:, 0], anchor)
+
+
+@dataclass
+class Outcome:
+    """What verifying, committing and advancing leave for the engine: the verdict and where its
+    codes went (for the trace, the session's keep and the iteration's read), the target's
+    largest probability at each node of the path (for the trace), and the advanced window."""
+
+    verdict: Verdict
+    made: Commit
+    path_peaks: torch.Tensor  # (B, L) the target's largest probability at each path node
+    state: WindowState
+    committed: torch.Tensor  # (B,) slots committed per row, after this iteration
+    anchor: torch.Tensor  # (B,) each row's last committed code
+
+
+def conclude(tree: DraftTree, cond: torch.Tensor, uncond: torch.Tensor | None,
+             sampling: SamplingSettings, scale: float | torch.Tensor, drafts: Drafts,
+             state: WindowState, numbers: IterationUniforms, rule, count_siblings: bool,
+             committed: torch.Tensor, row_start: torch.Tensor, codes: torch.Tensor,
+             column_targets: torch.Tensor | None, slots: int, width: int,
+             settings: AccelerationSettings) -> Outcome:
+    """:func:`verify`, :func:`commit` and :func:`advance`, in that order, on the network's
+    logits of the fed ``drafts`` (``state`` is the window they were drafted from; it is left as
+    it is, and the outcome holds the advanced one)."""
+    target, verdict = verify(tree, cond, uncond, sampling, scale, drafts, state.q, numbers, rule,
+                             count_siblings)
+    made = commit(tree, target, verdict, drafts, committed, row_start, codes, column_targets,
+                  slots, width)
+    path_peaks = target.amax(-1).gather(1, verdict.path)
+    advanced, now_committed, anchor = advance(state, tree, target, verdict, made.count,
+                                              committed, settings, numbers)
+    return Outcome(verdict, made, path_peaks, advanced, now_committed, anchor)
