@@ -282,13 +282,16 @@ class _Writes(TorchDispatchMode):
 
 
 class _Graph:
-    """One recorded CUDA graph: copies of the arguments it reads (``arguments``, of the same
-    structure as those it was recorded with; ``inputs``, their tensors), the output it writes,
-    and its memory ``pool`` (which later recordings may share)."""
+    """One recorded CUDA graph: the arguments it reads (``arguments``, of the same structure as
+    those it was recorded with; ``inputs``, their tensors), the output it writes, and its memory
+    ``pool`` (which later recordings may share). It reads copies of the arguments' tensors, but
+    those in ``in_place`` (their ids), which it reads where they are and holds, so that they
+    stay there."""
 
     def __init__(self, function: Callable, arguments: tuple, stream: torch.cuda.Stream | None,
-                 pool: tuple | None = None) -> None:
-        self.arguments = _map_tensors(torch.clone, arguments)
+                 pool: tuple | None = None, in_place: frozenset[int] = frozenset()) -> None:
+        self.arguments = _map_tensors(
+            lambda tensor: tensor if id(tensor) in in_place else tensor.clone(), arguments)
         self.inputs = _tensors(self.arguments)
         self.output, self.pool = self._record(function, stream, pool)
 
@@ -305,7 +308,8 @@ class _Graph:
         """The output for arguments of these ``tensors`` (in the order of ``inputs``); valid
         until the next replay of this graph."""
         for recorded, tensor in zip(self.inputs, tensors):
-            recorded.copy_(tensor)
+            if recorded is not tensor:  # a tensor read in place is already there
+                recorded.copy_(tensor)
         self._replay()
         return self.output
 
@@ -423,7 +427,9 @@ class CapturedStages(_GraphRecorder):
     The layout is everything a recording depends on (:func:`_layout`): the arguments' structure
     (dataclasses, tuples, lists), their tensors' shapes, dtypes and devices, which of them share
     memory, and every other value. So rows leaving the batch, a changed setting or another
-    acceptance rule each record a graph of their own.
+    acceptance rule each record a graph of their own. The tensors of a frozen dataclass (a draft
+    tree) that the stage does not write are constants: the graph reads them where they are,
+    with no copy per replay, and they are part of the layout (another tree records its own).
 
     The first call of a layout runs eagerly on the side stream, noting what it writes (the
     memory of argument tensors written in place, and the arguments' fields it sets, as ``draft``
@@ -453,7 +459,9 @@ class CapturedStages(_GraphRecorder):
         nodes = _nodes(args)
         tensors = [node for _, node in nodes if isinstance(node, torch.Tensor)]
         storages = [_storage(tensor) for tensor in tensors]
-        layout = (function, shape, tuple(_layout(node) for _, node in nodes), _sharing(storages))
+        constants = _constants(nodes)
+        layout = (function, shape, tuple(_layout(node) for _, node in nodes), _sharing(storages),
+                  tuple(id(tensor) for tensor in constants))
         if layout in self._graphs:
             return self._graphs[layout].replay(args, tensors)
         if layout in self.eager_shapes:
@@ -467,7 +475,9 @@ class CapturedStages(_GraphRecorder):
             return result
         try:
             replaced = _replaced(args, nodes)
-            graph = _Graph(function, before, self._stream, self._pool)
+            unwritten = frozenset(id(tensor) for tensor in constants) - {
+                id(tensors[index]) for index in written}
+            graph = _Graph(function, before, self._stream, self._pool, unwritten)
         except Exception as error:  # recording refused an operation: eager from here on
             self._graphs.clear()
             self.failure = _failure(error, self.SETTING, "the decoding stages",
@@ -482,6 +492,14 @@ class CapturedStages(_GraphRecorder):
     def report(self) -> dict:
         """The shapes' report, and the graphs recorded."""
         return {**super().report(), "graphs": self.compilations}
+
+
+def _constants(nodes: list[tuple[_Path, object]]) -> list[torch.Tensor]:
+    """The tensors among ``nodes`` that a frozen dataclass holds (at any depth below it)."""
+    frozen = [path for path, node in nodes if is_dataclass(node) and not isinstance(node, type)
+              and node.__dataclass_params__.frozen]
+    return [node for path, node in nodes if isinstance(node, torch.Tensor)
+            and any(path[:len(outer)] == outer for outer in frozen)]
 
 
 def _replaced(arguments: tuple, nodes: list[tuple[_Path, object]]) -> list[_Path]:

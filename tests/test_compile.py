@@ -451,6 +451,42 @@ def test_a_replay_returns_copies_and_changes_the_arguments_as_the_eager_call(rep
     assert [g.pool_given for g in replayed_graphs.recorded] == [None] + ["pool of graph 1"] * 2
 
 
+@dataclass(frozen=True)
+class _Scale:
+    factor: torch.Tensor
+
+
+def _scaled(scale: _Scale, values: torch.Tensor) -> torch.Tensor:
+    return values * scale.factor
+
+
+def test_a_frozen_dataclass_s_tensors_are_read_in_place_and_each_records_its_own_graph(
+        replayed_graphs):
+    """A draft tree's tensors never change: a replay copies only the other arguments in, and
+    another tree of the same shapes (other values) records a graph of its own."""
+    stages = CapturedStages(torch.device("cuda"))
+    triple, double = _Scale(torch.full((2,), 3.0)), _Scale(torch.full((2,), 2.0))
+    copied = []
+    original_copy = torch.Tensor.copy_
+
+    def counting_copy(tensor, source, *args, **kwargs):
+        copied.append(source)
+        return original_copy(tensor, source, *args, **kwargs)
+
+    for step in (1.0, 2.0):
+        values = torch.full((2,), step)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "copy_", counting_copy)
+            assert stages(_scaled, (4, ()), triple, values).tolist() == [3.0 * step] * 2
+    graph = replayed_graphs.recorded[0]
+    assert graph.inputs[0] is triple.factor and graph.inputs[1] is not values
+    assert any(source is values for source in copied)
+    assert not any(source is triple.factor for source in copied)
+    assert stages(_scaled, (4, ()), double, torch.ones(2)).tolist() == [2.0] * 2
+    assert stages(_scaled, (4, ()), triple, torch.ones(2)).tolist() == [3.0] * 2
+    assert len(replayed_graphs.recorded) == 2
+
+
 def _add_to_first(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     first.add_(1.0)
     return second.clone()
