@@ -158,10 +158,11 @@ class AccelerationSettings:
         per generation: on CUDA recorded as CUDA graphs (one launch per call; a graph per call,
         tree shape and batch size, recorded again by each generation in about the time of an
         eager call), elsewhere compiled by inductor (per tree shape at most three graphs per
-        call: the first batch size, every other one, a single row). Off by default, and not on the nodes, until a GPU run shows that it pays
-        (``python -m sjd_core.tools.gpu_check`` times it): on a CPU it costs seconds of
-        compiling per graph and pays only where verifying over a large codebook is a large part
-        of an iteration. Lossless, as ``compile``.
+        call: the first batch size, every other one, a single row). Off by default, and not on
+        the nodes, until a GPU run shows that it pays (``python -m sjd_core.tools.gpu_check``
+        times it): on a CPU it costs seconds of compiling per graph and pays only where
+        verifying over a large codebook is a large part of an iteration. Lossless, as
+        ``compile``.
     """
 
     window: int = 16
