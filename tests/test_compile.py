@@ -244,6 +244,37 @@ def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
     assert network.report() == {"compiled_shapes": 1, "eager_shapes": 2, "failure": None}
 
 
+def test_only_the_forward_that_allocates_the_cache_runs_eagerly(monkeypatch):
+    """The shipped model has no context to prefill: its first forward allocates the cache (and
+    runs eagerly, as compiling it would trace a path no later forward takes), and the layers are
+    joined at its end, so that every later forward runs compiled."""
+    from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
+
+    calls = {"compiled": 0, "all": 0}
+    network_step = slot_session.SlotSession._network_step
+
+    def counted_step(self, *tensors):
+        calls["all"] += 1
+        return network_step(self, *tensors)
+
+    def counted_compile(network, **options):
+        def compiled_network(*args):
+            calls["compiled"] += 1
+            return network(*args)
+        return compiled_network
+
+    monkeypatch.setattr(slot_session.SlotSession, "_network_step", counted_step)
+    monkeypatch.setattr(torch, "compile", counted_compile)
+    shipped = ReferenceModel(WEIGHTS_DIR, device="cpu")
+    request = GenerationRequest(prompt="t-shirt")
+    assert shipped.start(request).layout.prefix.max() == 0  # nothing to prefill
+    for mode in ("ar", "sjd"):
+        result = generate(shipped, request, SAMPLING, replace(MODES[mode], compile=True), seed=3)
+        forwards = int(result.trace.summary()["nfe"])
+        assert calls == {"compiled": forwards - 1, "all": forwards}, mode
+        calls.update(compiled=0, all=0)
+
+
 class _ReplayedGraph(compiled._Graph):
     """Stands in for a CUDA graph on the CPU, as a graph behaves: recording runs the function on
     the copies of the arguments (what it changes in place changes there); a replay runs it again

@@ -461,8 +461,8 @@ def test_bad_arguments_name_the_input(llama):
 
 
 def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
-    """Once every layer has written, the next plan puts the layers that share device, dtype and
-    shape in one tensor; a compaction then moves their entries as per-layer copies would, and a
+    """Once every layer has written, join puts the layers that share device, dtype and shape in
+    one tensor; a compaction then moves their entries as per-layer copies would, and a
     layer of another dtype keeps its own buffer."""
     store = KVStore(rows=2, capacity=8)
     store.plan(torch.arange(3).expand(2, 3))
@@ -473,7 +473,7 @@ def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
         written.append((keys, values))
     before = [(k.clone(), v.clone()) for k, v in (store._views[layer] for layer in range(4))]
     assert len(store._groups) == 4
-    store.plan(torch.arange(3, 6).expand(2, 3))
+    store.join()
     assert sorted(group.shape[0] for group in store._groups) == [1, 3]
     same_kind = {store._views[layer][0].untyped_storage().data_ptr() for layer in (0, 1, 3)}
     assert len(same_kind) == 1

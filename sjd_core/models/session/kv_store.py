@@ -3,7 +3,7 @@
 A layer's storage is one buffer ``(2, rows, heads, capacity, head_dim)``: its keys, then its
 values. It is allocated at the layer's first write, on the device and in the dtype of what the
 layer writes, so layers that an accelerate ``device_map`` runs elsewhere keep their cache there.
-Once the layers have written (at the next ``plan``), :meth:`KVStore.join` moves the layers that
+After the forward in which the layers first write, :meth:`KVStore.join` moves the layers that
 share a device, dtype and shape into one tensor ``(layers, 2, rows, heads, capacity, head_dim)``,
 whose slices the layers then use, so that moving or selecting entries is one operation for all of
 them instead of one per layer.
@@ -44,9 +44,7 @@ class KVStore:
 
     def plan(self, columns: torch.Tensor) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]`` (rows,
-        tokens). Layers first written by the forward before are joined here."""
-        if self._apart:
-            self.join()
+        tokens)."""
         self._columns = columns
         self._write_indices.clear()
 
@@ -74,9 +72,12 @@ class KVStore:
     def join(self) -> None:
         """Move the layers held apart that share a device, dtype and shape into one tensor.
 
-        Called once the layers have written (by ``plan``). Each layer is copied in and its own
-        buffer let go before the next, so the cache never needs twice its memory.
+        Called after every forward (nothing to do unless a layer was allocated since the last
+        call). Each layer is copied in and its own buffer let go before the next, so the cache
+        never needs twice its memory.
         """
+        if not self._apart:
+            return
         self._apart = False
         apart: dict[tuple, list[int]] = {}
         for layer, place in enumerate(self._places):

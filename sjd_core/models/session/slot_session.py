@@ -142,9 +142,13 @@ class SlotSession(DecodingSession):
                       columns: torch.Tensor) -> torch.Tensor:
         """The network on the fed tokens, their keys and values written at cache ``columns``
         (R, tokens): the call compiled or captured per fed shape, so every tensor it reads that
-        changes between forwards is an argument (the cache's buffers stay where they are)."""
+        changes between forwards is an argument (the cache's buffers stay where they are).
+        The layers that allocated their cache in this call are joined at its end, so that the
+        next call is already compiled (``store.settled``)."""
         self.store.plan(columns)
-        return self._run(inputs, positions, mask)
+        hidden = self._run(inputs, positions, mask)
+        self.store.join()
+        return hidden
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, inputs: torch.Tensor) -> None:
