@@ -26,6 +26,7 @@ from sjd_core import compiled
 from sjd_core.models.session import slot_session
 from sjd_core.compiled import (MAX_COMPILED_SHAPES, CapturedNetwork, CapturedStages,
                                CompiledNetwork, CompiledStages, compile_stages)
+from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 from sjd_core.models.synthetic import SyntheticModel
 
 SAMPLING = SamplingSettings(guidance=2.0, temperature=1.0, top_k=0, top_p=0.9)
@@ -248,8 +249,6 @@ def test_only_the_forward_that_allocates_the_cache_runs_eagerly(monkeypatch):
     """The shipped model has no context to prefill: its first forward allocates the cache (and
     runs eagerly, as compiling it would trace a path no later forward takes), and the layers are
     joined at its end, so that every later forward runs compiled."""
-    from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
-
     calls = {"compiled": 0, "all": 0}
     network_step = slot_session.SlotSession._network_step
 

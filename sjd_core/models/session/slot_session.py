@@ -153,7 +153,8 @@ class SlotSession(DecodingSession):
     # ------------------------------------------------------------------ prefill
     def _prefill(self, inputs: torch.Tensor) -> None:
         """Run the contexts (R, n, ...) into cache columns 0 .. n - 1, each one ending at column
-        ``n - 1`` (padded at the front: ``context_columns``)."""
+        ``n - 1`` (padded at the front: ``context_columns``), through the network step
+        uncompiled (it runs once)."""
         n = inputs.shape[1]
         if n == 0:
             return
@@ -164,9 +165,8 @@ class SlotSession(DecodingSession):
         allowed = (key <= query) & (key >= padding[..., None])
         allowed |= torch.eye(n, capacity, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
-        self.store.plan(order.expand(len(self._padding), n))
-        self._run(inputs, positions, self.mask.values(allowed)[:, None])
-        self.store.join()
+        self._network_step(inputs, positions, self.mask.values(allowed)[:, None],
+                           order.expand(len(self._padding), n))
 
     def context_columns(self, row: int, length: int) -> slice:
         """The columns of the prefill's input where row ``row`` puts its ``length`` context
