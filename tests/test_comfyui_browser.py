@@ -120,9 +120,9 @@ def test_the_next_run_clears_the_error_line(seen):
 
 
 def test_the_page_does_not_slow_the_run(seen):
-    # the median of the paired page/API ratios (a pair runs back to back, under the same load)
+    # the fastest of the page's runs against the fastest of the API's (pairs run back to back)
     timing = seen[0]["timing"]
-    assert timing["ratio_median"] <= PAGE_OVER_API, timing
+    assert timing["ratio_fastest"] <= PAGE_OVER_API, timing
 
 
 def test_the_page_hears_a_few_progress_messages_a_second_not_one_a_step(seen):
