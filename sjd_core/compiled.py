@@ -87,15 +87,19 @@ class _PerShape:
 class CompiledNetwork(_PerShape):
     """``network(*tensors)`` compiled by inductor per fed shape, or eager (see the module);
     eager until ``ready()`` (a forward that allocates the cache would compile a path the later
-    ones do not take, and the next one compile again). Only the batch's rows when compiling
-    began compile: once images finish and their rows leave, a smaller batch would compile every
-    shape again, seconds each, for the few iterations left, so those forwards run eagerly.
+    ones do not take, and the next one compile again). Each shape compiles for the batch's rows
+    when compiling began. Once images finish and their rows leave, the smaller batches run
+    through one more graph whose sizes are symbolic (``dynamic=True``), which serves every
+    smaller row count and fed shape (torch compiles a single row apart): compiled per shape,
+    each would compile again, seconds each, for the few iterations left, and run eagerly, at
+    about twice the time of a compiled forward, the end of every batch would cost more.
 
-    shapes: the fed shapes that ran compiled, each the arguments' shapes and strides (inductor
-    compiles again for other strides); ``eager_shapes``: those that ran eagerly because
-    ``MAX_COMPILED_SHAPES`` were compiled already or rows had left; ``compilations``: calls
-    that compiled a shape (each takes far longer than the network runs); ``failure``: why
-    compiling stopped, a sentence for the run's warnings (None while it works).
+    shapes: the fed shapes that ran compiled at the batch's rows, each the arguments' shapes and
+    strides (inductor compiles again for other strides); ``eager_shapes``: those that ran
+    eagerly because ``MAX_COMPILED_SHAPES`` were compiled already; ``compilations``: calls that
+    compiled (each takes far longer than the network runs): the first of each full-batch shape
+    and those of a smaller batch that compiled a graph; ``failure``: why compiling stopped, a
+    sentence for the run's warnings (None while it works).
     """
 
     def __init__(self, network: Network, device: torch.device,
@@ -105,25 +109,32 @@ class CompiledNetwork(_PerShape):
         self._rows: int | None = None  # the batch's rows when compiling began
         try:
             self._compiled = torch.compile(network, dynamic=False, fullgraph=False)
+            self._fewer_rows = torch.compile(network, dynamic=True, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
-            self._compiled, self.failure = None, _failure(error)
+            self._compiled = self._fewer_rows = None
+            self.failure = _failure(error)
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _layout_of(tensors)
-        if self._runs_eagerly(shape):
+        full_batch = len(tensors[0]) == (self._rows or len(tensors[0]))
+        # the cap counts the full batch's shapes: the smaller batches share one graph
+        eager = (self._runs_eagerly(shape) if full_batch
+                 else self.failure is not None or not self._ready())
+        if eager:
             return self._eager(*tensors)
         self._rows = self._rows or len(tensors[0])
-        if len(tensors[0]) != self._rows:
-            self.eager_shapes.add(shape)
-            return self._eager(*tensors)
-        self.compilations += shape not in self.shapes
+        graphs = _graphs_compiled()
         try:
             with _within_process_limit():
-                hidden = self._compiled(*tensors)
+                hidden = (self._compiled if full_batch else self._fewer_rows)(*tensors)
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
             return self._eager(*tensors)
-        self.shapes.add(shape)
+        if full_batch:
+            self.compilations += shape not in self.shapes
+            self.shapes.add(shape)
+        else:
+            self.compilations += _graphs_compiled() - graphs
         return hidden
 
 

@@ -191,7 +191,8 @@ def test_shapes_past_the_cap_run_eagerly(monkeypatch):
         return inputs
 
     def counted_compile(network, **options):
-        assert options == {"dynamic": False, "fullgraph": False}
+        assert options in ({"dynamic": False, "fullgraph": False},
+                           {"dynamic": True, "fullgraph": False})
 
         def compiled_network(*args):
             calls["compiled"] += 1
@@ -226,13 +227,15 @@ def test_arguments_of_new_strides_count_as_a_shape_as_inductor_compiles_them_aga
     assert network.report() == {"compiled_shapes": 2, "eager_shapes": 0, "failure": None}
 
 
-def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
-    """Inductor compiles only the rows the batch had when compiling began."""
-    compiled_rows = []
+def test_rows_that_leave_the_batch_run_through_one_graph_of_symbolic_sizes(monkeypatch):
+    """Each shape compiles for the rows the batch had when compiling began; once rows leave,
+    every smaller batch runs through the one graph compiled with ``dynamic=True``, also once
+    ``MAX_COMPILED_SHAPES`` full-batch shapes took the cap (they do not count against it)."""
+    compiled_rows = {False: [], True: []}  # by dynamic
 
-    def counted_compile(network, **options):
+    def counted_compile(network, dynamic, fullgraph):
         def compiled_network(*args):
-            compiled_rows.append(len(args[0]))
+            compiled_rows[dynamic].append(len(args[0]))
             return network(*args)
         return compiled_network
 
@@ -241,8 +244,13 @@ def test_rows_that_leave_the_batch_run_the_network_eagerly(monkeypatch):
     for rows in (4, 4, 3, 1, 4):
         assert torch.equal(network(torch.zeros(rows, 2), torch.zeros(rows, 2)),
                            torch.ones(rows, 2))
-    assert compiled_rows == [4, 4, 4]
-    assert network.report() == {"compiled_shapes": 1, "eager_shapes": 2, "failure": None}
+    assert compiled_rows == {False: [4, 4, 4], True: [3, 1]}
+    assert network.report() == {"compiled_shapes": 1, "eager_shapes": 0, "failure": None}
+    for tokens in range(3, MAX_COMPILED_SHAPES + 4):  # past the cap at the full batch
+        network(torch.zeros(4, tokens), torch.zeros(4, tokens))
+    network(torch.zeros(2, 5), torch.zeros(2, 5))
+    assert compiled_rows[True] == [3, 1, 2]
+    assert network.report()["eager_shapes"] == 2
 
 
 def test_only_the_forward_that_allocates_the_cache_runs_eagerly(monkeypatch):
@@ -364,6 +372,26 @@ def test_replayed_graphs_draw_the_eager_codes(model, replayed_graphs, monkeypatc
     alone = run(model, replace(MODES[mode], compile=True))  # one image: the cache never moves
     report = alone.trace.meta["compile"]
     assert report["recordings"] == report["compiled_shapes"] >= 1  # one graph per shape
+
+
+def test_a_compiled_batch_whose_rows_finish_apart_draws_the_eager_codes(model, monkeypatch):
+    """Real inductor graphs: a batch of 3 in which rows finish at different iterations (the
+    drafts of each row pass differently) runs its last forwards through the graph of symbolic
+    sizes, and draws the eager codes."""
+    fewer_rows = []
+    call = compiled.CompiledNetwork.__call__
+
+    def spied(network, *tensors):
+        if network._rows is not None and len(tensors[0]) != network._rows:
+            fewer_rows.append(len(tensors[0]))
+        return call(network, *tensors)
+
+    monkeypatch.setattr(compiled.CompiledNetwork, "__call__", spied)
+    settings = MODES["above_target+ac"]
+    compiled_run = run(model, replace(settings, compile=True), batch=3)
+    assert fewer_rows and compiled_run.trace.meta["compile"]["failure"] is None
+    assert compiled_run.trace.meta["compile"]["eager_shapes"] == 0
+    assert torch.equal(compiled_run.codes, run(model, settings, batch=3).codes)
 
 
 def test_until_the_cache_is_settled_the_network_runs_eagerly(replayed_graphs, monkeypatch):
