@@ -90,9 +90,8 @@ class CompiledNetwork(_PerShape):
     ones do not take, and the next one compile again). Each shape compiles for the batch's rows
     when compiling began. Once images finish and their rows leave, the smaller batches run
     through one more graph whose sizes are symbolic (``dynamic=True``), which serves every
-    smaller row count and fed shape (torch compiles a single row apart): compiled per shape,
-    each would compile again, seconds each, for the few iterations left, and run eagerly, at
-    about twice the time of a compiled forward, the end of every batch would cost more.
+    smaller row count and fed shape (torch compiles a single row apart), where compiling per
+    shape would compile each one again, seconds each, for the few iterations left.
 
     shapes: the fed shapes that ran compiled at the batch's rows, each the arguments' shapes and
     strides (inductor compiles again for other strides); ``eager_shapes``: those that ran
