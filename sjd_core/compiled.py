@@ -76,10 +76,11 @@ class _PerShape:
         return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
                 "failure": self.failure}
 
-    def _runs_eagerly(self, shape: tuple) -> bool:
+    def _runs_eagerly(self, shape: tuple, capped: bool = True) -> bool:
         """Whether a call of ``shape`` runs uncompiled: after a failure, past the cap of
-        ``MAX_COMPILED_SHAPES`` (recorded in ``eager_shapes``), or before ``ready()``."""
-        if shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
+        ``MAX_COMPILED_SHAPES`` (recorded in ``eager_shapes``; only where ``capped``: a shape
+        that needs no graph of its own is not held to it), or before ``ready()``."""
+        if capped and shape not in self.shapes and len(self.shapes) >= MAX_COMPILED_SHAPES:
             self.eager_shapes.add(shape)
         return self.failure is not None or shape in self.eager_shapes or not self._ready()
 
@@ -115,22 +116,22 @@ class CompiledNetwork(_PerShape):
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _layout_of(tensors)
-        full_batch = len(tensors[0]) == (self._rows or len(tensors[0]))
-        # the cap counts the full batch's shapes: the smaller batches share one graph
-        eager = (self._runs_eagerly(shape) if full_batch
-                 else self.failure is not None or not self._ready())
-        if eager:
-            return self._eager(*tensors)
         self._rows = self._rows or len(tensors[0])
-        graphs = _graphs_compiled()
+        full_batch = len(tensors[0]) == self._rows
+        if self._runs_eagerly(shape, capped=full_batch):  # the smaller batches share one graph
+            return self._eager(*tensors)
+        if full_batch:
+            compiled, graphs = self._compiled, 0
+            self.compilations += shape not in self.shapes
+        else:
+            compiled, graphs = self._fewer_rows, _graphs_compiled()
         try:
             with _within_process_limit():
-                hidden = (self._compiled if full_batch else self._fewer_rows)(*tensors)
+                hidden = compiled(*tensors)
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
             return self._eager(*tensors)
         if full_batch:
-            self.compilations += shape not in self.shapes
             self.shapes.add(shape)
         else:
             self.compilations += _graphs_compiled() - graphs
