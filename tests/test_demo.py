@@ -351,3 +351,14 @@ def test_demo_window_0_is_the_modes_own(tmp_path, capsys, mode, window):
     demo.main(["--prompt", "bag", "--mode", mode, "--no-baseline", "--out", str(tmp_path),
                "--threads", "1"])
     assert f"(window {window}, " in capsys.readouterr().out
+
+
+def test_the_bench_holds_auto_to_the_faster_ar_image_by_image():
+    """Paired images: the first (where ``auto`` learns) apart from the mean of the others."""
+    times = {name: bench.ModeTimes(seconds=seconds) for name, seconds in
+             [("AR", [2.0, 2.0, 2.0]), (bench.EAGER_AR, [4.0, 4.0, 4.0]), ("auto", [2.5, 2.0, 1.0])]}
+    modes = {"AR": bench.MODES["AR"], bench.EAGER_AR: bench.MODES["AR"], "auto": bench.MODES["auto"]}
+    assert bench.against_ar_by_image(times, modes) == (
+        "auto / AR by image: 0.80, 1.00, 2.00; mean 1.500 after the first image, 1.267 with it")
+    assert bench.against_ar_by_image({"AR": times["AR"]}, {"AR": modes["AR"]}) == (
+        "auto / AR by image: not measured (the run lacks one of the two)")

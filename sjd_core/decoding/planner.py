@@ -84,20 +84,21 @@ class FixedPlan:
 
 _MEMORY = 0.98  # per counted iteration: what the acceptance counts remember
 _HYSTERESIS = 0.05  # another shape must be expected this much faster to be switched to
+_LEARNING_SHARE = 0.05  # the most of a generation's time that learning may cost (see AutoPlan)
 _PROBE = 64  # iterations between the first two runs of the longest window if it is the best
 _PROBE_RUN = 10  # iterations per run of the longest window; the first few settle, uncounted
-_FIRST_PROBE_RUN = 30  # the first run of a new profile: its estimate starts from these alone
+_FIRST_PROBE_RUN = 30  # the first run of a profile, if the budget covers it: estimates start here
 _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed before
 _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
-_OPENING = 0.25  # share of the image a new profile feeds its middle window before it measures
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
 # (or a compile) the next few still run slower, by up to 80% on a CPU
-_TIMED_RUN = 7  # iterations per run of AR and of a short window that a new profile times
+_TIMED_RUN = 7  # iterations of AR that a new profile times
+_OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
 _TIME_WEIGHT = 0.2  # a shape's seconds: the mean of its first 5 times, then moving by this
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
-# slowly, and making one takes about 1.5% of an iteration of the embedded model on a CPU
+# slowly, and making one costs about as much as a dozen small tensor operations
 _LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 @dataclass
@@ -108,7 +109,8 @@ class _Profile:
     window (a draft at depth j is tested when the j - 1 before it passed). ``sibling_tests`` and
     ``sibling_passes``: decayed counts of PD candidates 2..K tested (where the ones before them
     failed) and passed. ``seconds``: seconds per iteration by fed node count (1: the plain
-    autoregressive step), the mean of the first few times, then exponentially weighted.
+    autoregressive step), the mean of the first few times, then exponentially weighted;
+    ``fastest``: the fastest time of each node count (what a shape costs at best).
     """
 
     window: int
@@ -117,8 +119,10 @@ class _Profile:
     sibling_tests: float = 0.0
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
+    fastest: dict[int, float] = field(default_factory=dict)
     times_taken: dict[int, int] = field(default_factory=dict)  # the times behind ``seconds``
     fed: set[int] = field(default_factory=set)  # compiled: the shapes fed at full batch (index)
+    opened: bool = False  # the opening runs were queued (see AutoPlan)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
     probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
@@ -133,6 +137,19 @@ class _Profile:
         self.times_taken[nodes] = taken
         old = self.seconds.get(nodes, seconds)
         self.seconds[nodes] = old + max(1.0 / taken, _TIME_WEIGHT) * (seconds - old)
+        self.fastest[nodes] = min(seconds, self.fastest.get(nodes, seconds))
+
+
+@dataclass
+class _Fed:
+    """An iteration whose seconds were not read yet, and what they will be booked as."""
+
+    iteration: int
+    nodes: int
+    prices: bool  # its seconds price its shape (a settled run at the batch's full size)
+    compiled: bool  # the network compiled a shape in it: its seconds are nobody's cost
+    learning: bool  # fed to learn (opening or probe), not as the shape expected to pay most
+    codes: float  # codes it committed per image
 
 
 # Profiles live as long as their model: {model: {key: _Profile}}.
@@ -191,54 +208,50 @@ def _fitting_window(profile: tuple[int, ...], budget: int) -> int:
 
 class AutoPlan:
     """Cost-aware speculation: every iteration, the shape expected to commit the most codes per
-    second.
+    second, and at most 5% of the time spent learning what the others would commit.
 
-    Expected codes of a window of ``L`` slots: ``1 + sum_{j < L} S(j)``, where ``S(j)`` is the
-    chance that the first ``j`` drafts pass. ``S`` is estimated per depth (a survival estimate:
-    a draft at depth j counts only where the j - 1 before it passed) on the longest window that
-    could still pay, in its settled iterations: drafts there have been refined as often as they
-    can be, and the estimate then predicts shorter windows well, while an estimate made on a
-    short window would see its drafts less refined and underrate every longer one. That is the
-    longest window of all unless no window longer than some other is expected to come within
-    15% of the best shape (about what a shorter window's counts underrate a longer one by), as
-    where each fed node costs much (a batch); then the iterations of that other window, and of
-    any longer one fed, count too, so that the estimate follows the rows being drawn rather
-    than the rows the last run of the longest window happened to see (an image's rows differ by
-    a third in how many drafts pass). The longest window (in turn with and without its full
-    tree) runs now and then for a few iterations, more rarely the more it costs against the
-    best shape and the more runs have been made (the interval grows with the square root of
-    their number, so the estimate keeps learning while probing costs less); a run that could
-    not pay even with the luckiest acceptance the counts allow is skipped, except while plain
-    autoregression is fed, whose iterations teach nothing about windows.
+    The policy, in four parts:
 
-    A tree with ``K_d`` candidates at depth d passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)``
-    (``h_d`` the depth's rejection rate, ``r`` the measured chance that a further candidate
-    passes where the ones before it failed), so it is expected to commit
-    ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)`` codes. With ``adaptive_tree`` every
-    tree within K x D competes (:func:`~.drafting.tree_profiles`), so candidates go to the depths
-    where drafts fail most, as far as they pay for the nodes they add; otherwise only the full
-    K x D tree. The cost of a shape is read off a least-squares line in fed nodes through the
-    seconds per iteration of the shapes measured so far (a shape's own time alone would keep it
-    out of the running, once timed while the machine was busy, until it happened to run again);
-    plain autoregression (its own, leaner step) competes with its own measured time. The first
-    three iterations of a run of one shape are not timed (a shape's first forward in a process,
-    or the first after the prefill, can take several times its usual time, and the next few
-    after a switch still run slower), nor is one that feeds fewer rows than the batch has (the
-    images that finished cost nothing); a shape's time is the mean of its first five, then a
-    moving average, so that no single early time stays in it. A new profile first feeds a
-    window of half the longest for a quarter of the image: the top rows have no row above to
-    draft from, drafts pass there least whatever the window, and an estimate started there would
-    underrate long windows. It then times AR and a short window for a few iterations each, and
-    makes its first run of the longest window, longer than the later ones, since every estimate
-    starts from it. The interval to the next run is set when a run ends, from what it measured.
-    The iterations themselves are the timing probes, so measuring costs no extra forward pass.
+    - **Estimated.** Codes per iteration of every shape, and seconds per iteration. A window of
+      ``L`` slots commits ``1 + sum_{j < L} S(j)``, ``S(j)`` the chance that the first ``j`` drafts
+      pass, estimated per depth (a draft at depth j counts only where the j - 1 before it passed)
+      on the longest window expected to come within 15% of the best shape and on any longer one
+      fed, in their settled iterations (a shorter window's drafts are refined less often and
+      underrate every longer one by about that much). A tree with ``K_d`` candidates at depth d
+      passes there with ``a_d = 1 - h_d (1 - r)^(K_d - 1)`` (``h_d`` the depth's rejection rate,
+      ``r`` the measured chance that a further candidate passes where the ones before it failed)
+      and commits ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)``; with ``adaptive_tree``
+      every tree within K x D competes (:func:`~.drafting.tree_profiles`). A window's seconds
+      come from a least-squares line in fed nodes through the measured shapes; plain
+      autoregression (its own, leaner step) keeps its own measured time.
+    - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
+      forward, and the next few after a switch, run slower), one in which the network compiled,
+      and one that fed fewer rows than the batch has. A shape's seconds are the mean of its
+      first five times, then a moving average; its fastest time is kept too.
+    - **Probes.** Every iteration not fed as the best expected shape is learning, and is
+      charged its seconds beyond what the best shape would have taken for the codes it
+      committed. A new profile opens with AR for 7 iterations, then the short window (4) and
+      the middle one for 12 each: the times of two window sizes and the first counts. Then
+      the longest window, in turn with and without its full tree, runs now and then for 10
+      iterations (the first time 30), on an interval set from what the last run measured
+      (longer the slower it was than the best shape, and growing with the square root of the
+      runs made). A run is skipped where it could not beat the best shape even with the luckiest
+      acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
+      postponed, or cut short, where its expected charge would take learning past 5% of the
+      generation's time (so far, plus the rest of the image at the best rate): learning costs at
+      most ``_LEARNING_SHARE`` of every generation, the opening included, give or take what one
+      run turns out to cost beyond its estimate.
+    - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
+      promises 5% more than the current one; that is plain autoregression wherever no window
+      pays, and a new profile starts from it.
+
     What is learnt is kept for the next generation with the same model, device, batch and
     settings. Where the network or the stages are compiled, every shape fed compiles, so the
     shapes are a few that span the windows (:func:`_compiled_shapes`, at most 8), and the first
-    image feeds each of them once, after timing AR and the short window, so that no later image
-    stalls to compile one. If the clock fails (any exception, or a time that is not a finite
-    positive number), the rest of the generation feeds the longest window, and ``warnings`` says
-    so.
+    image feeds each of them once, after its opening, so that no later image stalls to compile
+    one (those iterations are neither timed nor charged). If the clock fails (any exception, or
+    a time that is not a finite positive number), the rest of the generation feeds the longest
+    window, and ``warnings`` says so.
     """
 
     def __init__(self, settings: AccelerationSettings, model: ImageTokenModel,
@@ -250,9 +263,41 @@ class AutoPlan:
         self.seconds_of = seconds_of  # seconds of iteration i, None while not known yet
         self.per_pass = settings.shape_cost == "passes"
         lengths = [n for n in _LENGTHS if n < settings.window] + [settings.window]
+        self._build_shapes(settings, device, lengths)
+        key = (str(device), request.batch_size, sampling, settings, request.resolution)
+        try:
+            profiles_of_model = _PROFILES.setdefault(model, {})
+        except TypeError:  # a model that cannot be weakly referenced keeps no profile
+            profiles_of_model = {}
+        self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
+        self.short = next(t for t in self.shapes if t.window == min(4, settings.window))
+        self.middle = next(t for t in self.shapes[1:] if not t.tree_levels
+                           and t.window == _middle_length(lengths))
+        self.image_codes = image_codes
+        self.codes_done = 0.0  # mean codes committed per image so far
+        self.queue: list[DraftTree] = []
+        self.current = max(self.profile.current, 0)  # a new profile starts from AR
+        self.previous: DraftTree | None = None
+        self.run = 0  # iterations in a row of the same shape
+        self.learning = False  # whether the shape chosen last is fed to learn
+        self.pending: list[_Fed] = []  # iterations whose seconds were not read yet
+        self.elapsed = 0.0  # seconds of this generation's iterations read so far (compiles not)
+        self.learning_cost = 0.0  # what the learning iterations among them cost (see _book)
+        self.iteration = 0
+        self.rates: np.ndarray | None = None  # the last estimate of every shape's rate
+        # drafts count on windows this long or longer: in a new profile's opening, on every one
+        self.counted_from = self.probes[0].window if self.profile.opened else self.short.window
+        self.rates_until = 0  # the iteration from which that estimate is made again
+        self.untimed = False  # the clock failed: the longest window from then on
+        self.warnings: list[str] = []
+
+    def _build_shapes(self, settings: AccelerationSettings, device: torch.device,
+                      lengths: list[int]) -> None:
+        """Every shape ``auto`` may feed (a few, compiled) and ``probes``: the longest window
+        and its largest tree."""
         self.shapes = [DraftTree.build(1, (), device)]
         self.shapes += [DraftTree.build(n, (), device) for n in lengths]
-        self.probes = [self.shapes[-1]]  # the longest window, and its largest tree
+        self.probes = [self.shapes[-1]]
         if settings.proactive_drafting:
             full_tree = uniform_profile(settings.pd_candidates, settings.pd_depth)
             profiles = (tree_profiles(settings.pd_candidates, settings.pd_depth)
@@ -270,29 +315,6 @@ class AutoPlan:
         if self.compiles:
             self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
         self._arrays()
-        key = (str(device), request.batch_size, sampling, settings, request.resolution)
-        try:
-            profiles_of_model = _PROFILES.setdefault(model, {})
-        except TypeError:  # a model that cannot be weakly referenced keeps no profile
-            profiles_of_model = {}
-        self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
-        self.short = next(t for t in self.shapes if t.window == min(4, settings.window))
-        self.middle = next(t for t in self.shapes[1:] if not t.tree_levels
-                           and t.window == _middle_length(lengths))
-        self.opening_codes = _OPENING * image_codes
-        self.codes_done = 0.0  # mean codes committed per image so far
-        self.queue: list[DraftTree] = []
-        self.current = self.profile.current if self.profile.current >= 0 else \
-            self.shapes.index(self.middle)
-        self.previous: DraftTree | None = None
-        self.run = 0  # iterations in a row of the same shape
-        self.pending: list[tuple[int, int]] = []  # (iteration, fed nodes) not timed yet
-        self.iteration = 0
-        self.rates: np.ndarray | None = None  # the last estimate of every shape's rate
-        self.counted_from = self.probes[0].window  # drafts count on windows this long or longer
-        self.rates_until = 0  # the iteration from which that estimate is made again
-        self.untimed = False  # the clock failed: the longest window from then on
-        self.warnings: list[str] = []
 
     def _arrays(self) -> None:
         """The shapes as arrays, so that every shape's rate is one vector expression."""
@@ -311,44 +333,52 @@ class AutoPlan:
     def choose(self) -> DraftTree:
         if self.untimed:
             return self.probes[0]
+        if not self.queue:
+            self.queue = self._learning_run()
+        self.learning = bool(self.queue)
         if self.queue:
             return self.queue.pop(0)
-        profile = self.profile
-        if not profile.probes_made:
-            if self.codes_done < self.opening_codes:
-                return self.middle
-            # the top rows, which have no row above to draft from, are behind: time the costs
-            # and start the estimate where the image is like most of it
-            timed = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
-                _TIMED_RUN
-            if self.compiles:  # one iteration of each shape compiles it in this first image
-                timed += self._unfed(*timed, self.middle, self.probes[0])
-            self.queue = timed + self._probe_run(self._rates())
-            if self.queue:
-                return self.queue.pop(0)
         unfed = self.compiles and self._unfed()
         if unfed:  # the first image ended before they all compiled
             return unfed[0]
+        best = int(self.rates.argmax())
+        if self.rates[best] > self.rates[self.current] * (1 + _HYSTERESIS):
+            self.current = best
+        return self.shapes[self.current]
+
+    def _learning_run(self) -> list[DraftTree]:
+        """What to feed next to learn: a new profile's opening, or a probe run where one is due
+        and pays its way; none otherwise. Makes the estimate of every shape's rate again every
+        ``_REESTIMATE`` iterations."""
+        opening = []
+        if not self.profile.opened:
+            self.profile.opened = True
+            opening = self._opening()
+        if opening or self.compiles and self._unfed():
+            return opening
         if self.rates is None or self.iteration >= self.rates_until:
             self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
             self.counted_from = self._longest_hopeful_window(self.rates)
-        rates = self.rates
-        if profile.until_probe is None:  # a run just ended: how often, by what it measured
+        return self._probe_run(self.rates) if self._probe_due(self.rates) else []
+
+    def _opening(self) -> list[DraftTree]:
+        """A new profile's first iterations: runs that time AR, the short window and the middle
+        one (where the cost is forward passes, none: every shape costs one), then, compiled,
+        every other shape once."""
+        runs = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
+            _OPENING_RUN + ([self.middle] * _OPENING_RUN if self.middle is not self.short else [])
+        return runs + (self._unfed(*runs) if self.compiles else [])
+
+    def _probe_due(self, rates: np.ndarray) -> bool:
+        """Count one iteration towards the next run of the longest window; whether it is due.
+        When a run ended, the interval is set from what it measured."""
+        profile = self.profile
+        if profile.until_probe is None:
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
             cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
-        if self._on_ar():  # AR counts no drafts and times no window: only a run can move it
-            profile.until_probe = min(profile.until_probe,
-                                      int(_PROBE * math.sqrt(max(profile.probes_made, 1))))
         profile.until_probe -= 1
-        if profile.until_probe <= 0:
-            self.queue = self._probe_run(rates)
-            if self.queue:
-                return self.queue.pop(0)
-        best = int(rates.argmax())
-        if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
-            self.current = best
-        return self.shapes[self.current]
+        return profile.until_probe <= 0
 
     def _unfed(self, *to_be_fed: DraftTree) -> list[DraftTree]:
         """The shapes no iteration has fed at the batch's full size yet, but ``to_be_fed``.
@@ -359,23 +389,36 @@ class AutoPlan:
                 and all(shape is not other for other in to_be_fed)]
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
-        """The next run of the longest window, in turn without and with its tree; none where
+        """The next run of the longest window, in turn without and with its tree. None where
         that shape could not beat the best one even if it were as lucky as what was counted
-        allows (:meth:`_optimistic_rates`): such a run would only cost. While the plan feeds
-        plain autoregression no run is skipped: its iterations count no drafts and time no
-        window, so one slow time of a window would otherwise keep it on AR for good."""
+        allows (the run counts as made); none yet, or a shorter one, where the learning budget
+        does not cover it (:meth:`_affordable`)."""
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
-        profile.probes_made += 1
-        profile.until_probe = None
         index = self.shapes.index(probe)
-        if not self._on_ar() and self._optimistic_rates()[index] < rates.max():
+        if self._optimistic_rates()[index] < rates.max():
+            profile.probes_made, profile.until_probe = profile.probes_made + 1, None
             return []
-        return [probe] * (_FIRST_PROBE_RUN if profile.probes_made == 1 else _PROBE_RUN)
+        length = _FIRST_PROBE_RUN if profile.probes_made == 0 else _PROBE_RUN
+        length = min(length, self._affordable(index, rates))
+        if length < _PROBE_RUN:  # too few to count anything: later, when the budget has grown
+            profile.until_probe = _REESTIMATE
+            return []
+        profile.probes_made, profile.until_probe = profile.probes_made + 1, None
+        return [probe] * length
 
-    def _on_ar(self) -> bool:
-        """Whether the shape fed between runs is plain autoregression."""
-        return self.shapes[self.current].window == 1
+    def _affordable(self, index: int, rates: np.ndarray) -> int:
+        """How many iterations of shape ``index`` the learning budget still covers in this
+        generation: what learning cost so far, plus their expected charge, within
+        ``_LEARNING_SHARE`` of the generation's time (so far, and the rest of the image at the
+        best rate)."""
+        best = rates.max()
+        charge = self._seconds()[index] * (1.0 - rates[index] / best)  # per iteration
+        if charge <= 0.0:
+            return _FIRST_PROBE_RUN
+        rest = max(self.image_codes - self.codes_done, 0.0) / best
+        budget = _LEARNING_SHARE * (self.elapsed + rest) - self.learning_cost
+        return max(int(budget / charge), 0)
 
     def _longest_hopeful_window(self, rates: np.ndarray) -> int:
         """The longest chain window expected to come within ``_UNDERRATED`` of the best shape
@@ -388,14 +431,15 @@ class AutoPlan:
         return int(self.windows[hopeful].max()) if hopeful.any() else self.probes[0].window
 
     def _optimistic_rates(self) -> np.ndarray:
-        """Codes per second of every shape if its drafts were as lucky as the counts allow: each
-        depth's rejections without the pooled rate to lean on (a depth no draft reached always
-        passes), and further PD candidates with one pass more than counted (before any tree
-        ran, they always pass)."""
+        """Codes per second of every shape if its drafts were as lucky as the counts allow, at
+        its fastest time: each depth's rejections without the pooled rate to lean on (a depth no
+        draft reached always passes), and further PD candidates with one pass more than counted
+        (before any tree ran, they always pass)."""
         profile = self.profile
         hazard = profile.stopped[1:] / (profile.at_risk[1:] + 1.0)
         sibling_pass = (profile.sibling_passes + 1.0) / (profile.sibling_tests + 1.0)
-        return self._codes(hazard, sibling_pass) / self._seconds()
+        return self._codes(hazard, sibling_pass) / self._seconds({**profile.seconds,
+                                                                  **profile.fastest})
 
     def _hazard(self) -> np.ndarray:
         """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
@@ -427,12 +471,13 @@ class AutoPlan:
         """Expected codes per second of every shape."""
         return self._codes(self._hazard(), self._sibling_pass()) / self._seconds()
 
-    def _seconds(self) -> np.ndarray:
-        """Seconds per iteration of every shape: a line in fed nodes through the measured
-        shapes, and plain autoregression's own time; all 1 when the cost is forward passes."""
+    def _seconds(self, measured: dict[int, float] | None = None) -> np.ndarray:
+        """Seconds per iteration of every shape: a line in fed nodes through the ``measured``
+        shapes (by default their usual times), and plain autoregression's own time; all 1 when
+        the cost is forward passes."""
         if self.per_pass:
             return np.ones_like(self.sizes)
-        measured = self.profile.seconds
+        measured = self.profile.seconds if measured is None else measured
         points = [(n, t) for n, t in measured.items() if n > 1]
         if len(points) >= 2:
             slope, intercept = _line(points)
@@ -451,7 +496,8 @@ class AutoPlan:
                 siblings: tuple[int, int], timed: bool = True) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
-        if self.compiles and len(accepted) == self.batch_size:  # fewer rows compile nothing
+        full = len(accepted) == self.batch_size  # fewer rows: the images that finished cost
+        if self.compiles and full:  # nothing more, and compile nothing
             self.profile.fed.add(self.shapes.index(tree))
         if tree.tree_levels:
             profile = self.profile
@@ -459,30 +505,55 @@ class AutoPlan:
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
         elif warm and self.run > _SETTLE and tree.window >= self.counted_from:
             self._count(tree, np.asarray(accepted))
-        self.codes_done += sum(accepted) / len(accepted)
-        # a run's first iterations are not timed (see _TIMING_SETTLE), nor one in which the
-        # network compiled a shape (seconds, against milliseconds), nor one that fed fewer rows
-        # than the batch has (the images that finished cost nothing more)
-        if (not self.untimed and self.run > _TIMING_SETTLE and timed
-                and len(accepted) == self.batch_size):
-            self.pending.append((self.iteration, tree.size))
+        codes = sum(accepted) / len(accepted)
+        self.codes_done += codes
+        if not self.untimed:
+            self.pending.append(_Fed(self.iteration, tree.size, timed and full
+                                     and self.run > _TIMING_SETTLE, not timed, self.learning,
+                                     codes))
         self.iteration += 1
+        self._read_times()
+
+    def _read_times(self) -> None:
+        """Book the iterations whose seconds the clock has now (:meth:`_book`)."""
         still = []
-        for iteration, nodes in self.pending:
+        for fed in self.pending:
             try:
-                seconds = self.seconds_of(iteration)
+                seconds = self.seconds_of(fed.iteration)
             except Exception as error:  # a device clock that cannot be read, whatever it raises
-                self._stop_timing(iteration, f"{type(error).__name__}: {first_line(error)}")
+                self._stop_timing(fed.iteration, f"{type(error).__name__}: {first_line(error)}")
                 return
             if seconds is None:
-                still.append((iteration, nodes))
+                still.append(fed)
             elif not (isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
                       and 0.0 < seconds < math.inf):
-                self._stop_timing(iteration, f"it measured {quote(seconds)} seconds")
+                self._stop_timing(fed.iteration, f"it measured {quote(seconds)} seconds")
                 return
             else:
-                self.profile.time(nodes, seconds)
+                self._book(fed, float(seconds))
         self.pending = still
+
+    def _book(self, fed: _Fed, seconds: float) -> None:
+        """An iteration's seconds: its shape's time where they price it, the generation's
+        time, and, for a learning iteration, its charge: the seconds beyond what the best shape
+        expected (AR before any estimate) would have taken to commit its codes. Where the cost
+        is forward passes, every iteration costs one."""
+        if fed.prices:
+            self.profile.time(fed.nodes, seconds)
+        if fed.compiled:
+            return
+        cost = 1.0 if self.per_pass else seconds
+        self.elapsed += cost
+        best = self._best_rate()
+        if fed.learning and best is not None:
+            self.learning_cost += cost - fed.codes / best
+
+    def _best_rate(self) -> float | None:
+        """The best expected codes per second (per pass); AR's before the first estimate."""
+        if self.rates is not None:
+            return float(self.rates.max())
+        ar = 1.0 if self.per_pass else self.profile.seconds.get(1)
+        return None if ar is None else 1.0 / ar
 
     def _stop_timing(self, iteration: int, reason: str) -> None:
         """Feed the longest window from now on: without times, costs cannot be compared."""
@@ -492,7 +563,7 @@ class AutoPlan:
                              f"{self.iteration} on")
 
     def _count(self, tree: DraftTree, counts: np.ndarray) -> None:
-        """Drafts tested and rejected per depth of the longest window."""
+        """Drafts tested and rejected per depth of the window."""
         profile = self.profile
         profile.at_risk *= _MEMORY
         profile.stopped *= _MEMORY
@@ -505,8 +576,24 @@ class AutoPlan:
 
     def notes(self) -> dict:
         self.profile.current = self.current
-        return {"auto_best_shape": describe_shape(self.shapes[int(self._rates().argmax())]),
-                "auto_sibling_pass": round(self._sibling_pass(), 4)}
+        rates = self._rates()
+        return {"auto_best_shape": describe_shape(self.shapes[int(rates.argmax())]),
+                "auto_sibling_pass": round(self._sibling_pass(), 4),
+                "auto_choice": self._choice(rates)}
+
+    def _choice(self, rates: np.ndarray) -> str:
+        """One line: the shape fed at the end and why, and what learning cost."""
+        if self.untimed:
+            return f"{describe_shape(self.probes[0])}: the clock failed"
+        fed = self.shapes[self.current]
+        if fed.window == 1:
+            other = 1 + int(rates[1:].argmax())
+            why = (f"no window paid (best {describe_shape(self.shapes[other])}, "
+                   f"{rates[other] / rates[0]:.2f}x AR)")
+        else:
+            why = f"expected {rates[self.current] / rates[0]:.2f}x AR"
+        share = max(self.learning_cost, 0.0) / self.elapsed if self.elapsed > 0 else 0.0
+        return f"{describe_shape(fed)}: {why}; learning took {100 * share:.1f}% of the time"
 
 
 def make_plan(settings: AccelerationSettings, model: ImageTokenModel, request: GenerationRequest,

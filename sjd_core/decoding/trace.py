@@ -309,6 +309,7 @@ class Trace:
                                          & np.isin(self.commit_kind, (ACCEPTED, RESIDUAL))).sum())
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
+            "auto_choice": self.meta.get("auto_choice"),
             "vp_rises": dict(self.meta.get("vp_rises", {})),
         }
 
@@ -454,4 +455,6 @@ def summary_text(summary: dict[str, Any]) -> str:
     shapes = summary.get("shapes", {})
     if len(shapes) > 1:
         text += "; steps by shape: " + shape_counts_text(shapes, shown=4)
+    if summary.get("auto_choice"):
+        text += f"; fed {summary['auto_choice']}"
     return text + "".join(f". WARNING: {w}" for w in summary.get("warnings", []))

@@ -236,6 +236,25 @@ def against_fixed(records: list[dict], modes: dict[str, AccelerationSettings]) -
                      for name in cost_aware)
 
 
+def against_ar_by_image(times: dict[str, ModeTimes],
+                        modes: dict[str, AccelerationSettings]) -> str:
+    """A line per ``auto`` row: its speed against the faster AR, image by image (paired: the same
+    prompt and seed), and the mean over the images after the first and over all of them (the
+    first carries what ``auto`` learns before anything is known)."""
+    ars = [name for name in ("AR", EAGER_AR, GENERATE) if name in times]
+    cost_aware = [name for name, settings in modes.items() if settings.adaptive_shape]
+    if not ars or not cost_aware:
+        return "auto / AR by image: not measured (the run lacks one of the two)"
+    fastest = min(ars, key=lambda name: statistics.median(times[name].seconds))
+    lines = []
+    for name in cost_aware:
+        ratios = [ar / own for ar, own in zip(times[fastest].seconds, times[name].seconds)]
+        later = f"{statistics.mean(ratios[1:]):.3f}" if len(ratios) > 1 else "-"
+        lines.append(f"{name} / {fastest} by image: {', '.join(f'{r:.2f}' for r in ratios)}; "
+                     f"mean {later} after the first image, {statistics.mean(ratios):.3f} with it")
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     return format_table([{
         "mode": r["mode"], "NFE/image": f"{r['nfe_per_image']:.1f}",
@@ -373,6 +392,7 @@ def _run(args: argparse.Namespace) -> list[dict]:
         ours, theirs = (statistics.median(times[n].seconds) for n in ("AR", GENERATE))
         print(f"AR (ours) / generate(): ratio of medians {ours / theirs:.3f}")
     print(against_fixed(records, modes))
+    print(against_ar_by_image(times, modes))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(records, handle, indent=1, allow_nan=False)
