@@ -165,9 +165,9 @@ def test_a_run_of_the_longest_window_is_skipped_where_even_luck_would_not_make_i
     plan.profile.stopped[1:8] = 300.0
     slope = 0.001 if steep else 0.00002
     plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * slope, 16: 0.010 + 16 * slope}
-    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # the next run: the chain's
+    plan.profile.probes_made, plan.profile.until_probe = 3, 1  # the next run: the chain's
     chosen = describe_shape(plan.choose())
-    assert plan.profile.probes_made == 3
+    assert plan.profile.probes_made == 4
     if steep:
         assert chosen != "window 32" and not plan.queue
         assert plan._optimistic_rates()[plan.shapes.index(plan.probes[0])] < plan._rates().max()
@@ -244,6 +244,30 @@ def test_a_window_timed_once_while_the_machine_was_busy_is_still_probed():
     assert plan._rates()[window] < plan._rates().max() < plan._optimistic_rates()[window]
 
 
+def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fed():
+    """AR's usual time was pushed up by a busy spell, so a window looks faster and is fed, and
+    AR, no longer fed, would never be timed again. AR takes its turn among the probes: where
+    its fastest time could beat the best shape, it runs for 7 iterations (timed from the
+    fourth), and its usual time moves back."""
+    times = [0.003] * 7
+    plan = learnt(plan_for(lambda i: times[i] if i < len(times) else None, adaptive_tree=False,
+                           proactive_drafting=False), [0.85], 0.0)
+    for seconds in (0.003, 0.003, 0.012, 0.012, 0.012, 0.012, 0.012, 0.012):
+        plan.profile.time(1, seconds)
+    plan.profile.time(2, 0.004)
+    plan.profile.time(4, 0.005)
+    window_2 = next(i for i, shape in enumerate(plan.shapes) if shape.window == 2)
+    plan.current, plan.image_codes = window_2, 2304
+    assert plan._rates().argmax() == window_2
+    plan.profile.probes_made, plan.profile.until_probe = 1, 1  # next in turn: AR
+    fed = [plan.choose() for _ in range(7)]
+    assert [describe_shape(tree) for tree in fed] == ["AR"] * 7
+    before = plan.profile.seconds[1]
+    for tree in fed:
+        plan.observe(tree, [0], [1], False, (0, 0))
+    assert plan.profile.seconds[1] < before
+
+
 def test_a_probe_the_budget_cannot_cover_waits_and_is_not_counted_as_made():
     """A hopeful run whose expected charge would take learning past 5% of the generation's time
     is postponed (by ``_REESTIMATE`` iterations); once the generation's time has grown it runs,
@@ -252,17 +276,17 @@ def test_a_probe_the_budget_cannot_cover_waits_and_is_not_counted_as_made():
     plan.profile.at_risk[2:] = 0.0  # depths past 1 never reached: window 32 may be lucky
     plan.profile.stopped[2:] = 0.0
     plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.014, 16: 0.026}
-    plan.profile.probes_made, plan.profile.until_probe = 1, 1
+    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # next: the chain (then AR)
     plan.current, plan.image_codes = 0, 2304
     window = plan.shapes.index(plan.probes[0])
     assert plan._rates().argmax() == 0 < plan._optimistic_rates()[window] - plan._rates().max()
     plan.learning_cost = 0.05 * 2304 * 0.010  # the image's budget, spent
     assert describe_shape(plan.choose()) == "AR" and plan.profile.until_probe == planner._REESTIMATE
-    assert plan.profile.probes_made == 1
+    assert plan.profile.probes_made == 2
     plan.elapsed = 100.0  # much later: the budget has grown
     plan.profile.until_probe = 1
     assert describe_shape(plan.choose()) == "window 32" and len(plan.queue) == 9
-    assert plan.profile.probes_made == 2
+    assert plan.profile.probes_made == 3
 
 
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():

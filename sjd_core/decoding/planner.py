@@ -233,7 +233,9 @@ class AutoPlan:
       committed. A new profile opens with AR for 7 iterations, then the short window (4) and
       the middle one for 12 each: the times of two window sizes and the first counts. Then
       the longest window, in turn with and without its full tree, runs now and then for 10
-      iterations (the first time 30), on an interval set from what the last run measured
+      iterations (the first time 30; its counts replace the opening's, made on short windows
+      in the top rows, which underrate long windows), on an interval set from what the last
+      run measured
       (longer the slower it was than the best shape, and growing with the square root of the
       runs made). A run is skipped where it could not beat the best shape even with the luckiest
       acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
@@ -314,6 +316,7 @@ class AutoPlan:
         self.compiles = settings.compiles_on(device.type) or settings.compile_stages
         if self.compiles:
             self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
+        self.rotation = self.probes + [self.shapes[0]]  # what probe runs feed, in turn
         self._arrays()
 
     def _arrays(self) -> None:
@@ -341,10 +344,15 @@ class AutoPlan:
         unfed = self.compiles and self._unfed()
         if unfed:  # the first image ended before they all compiled
             return unfed[0]
-        best = int(self.rates.argmax())
-        if self.rates[best] > self.rates[self.current] * (1 + _HYSTERESIS):
+        return self.shapes[self._best(self.rates)]
+
+    def _best(self, rates: np.ndarray) -> int:
+        """The shape to feed between learning runs: the current one, unless another is expected
+        to be ``_HYSTERESIS`` faster."""
+        best = int(rates.argmax())
+        if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
             self.current = best
-        return self.shapes[self.current]
+        return self.current
 
     def _learning_run(self) -> list[DraftTree]:
         """What to feed next to learn: a new profile's opening, or a probe run where one is due
@@ -374,7 +382,7 @@ class AutoPlan:
         When a run ended, the interval is set from what it measured."""
         profile = self.profile
         if profile.until_probe is None:
-            last = self.probes[(profile.probes_made - 1) % len(self.probes)]
+            last = self.rotation[(profile.probes_made - 1) % len(self.rotation)]
             cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
         profile.until_probe -= 1
@@ -389,21 +397,25 @@ class AutoPlan:
                 and all(shape is not other for other in to_be_fed)]
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
-        """The next run of the longest window, in turn without and with its tree. None where
-        that shape could not beat the best one even if it were as lucky as what was counted
-        allows (the run counts as made); none yet, or a shorter one, where the learning budget
-        does not cover it (:meth:`_affordable`)."""
+        """The next probe run: in turn the longest window, its tree and AR (which, while
+        another shape is fed, is not timed otherwise). None where the shape is fed anyway or
+        could not beat the best one even if it were as lucky as what was counted allows (the
+        run counts as made); none yet, or a shorter one, where the learning budget does not
+        cover it (:meth:`_affordable`)."""
         profile = self.profile
-        probe = self.probes[profile.probes_made % len(self.probes)]
+        probe = self.rotation[profile.probes_made % len(self.rotation)]
         index = self.shapes.index(probe)
-        if self._optimistic_rates()[index] < rates.max():
+        if index == self.current or self._optimistic_rates()[index] < rates.max():
             profile.probes_made, profile.until_probe = profile.probes_made + 1, None
             return []
-        length = _FIRST_PROBE_RUN if profile.probes_made == 0 else _PROBE_RUN
+        shortest = _TIMED_RUN if probe.window == 1 else _PROBE_RUN
+        length = _FIRST_PROBE_RUN if profile.probes_made == 0 else shortest
         length = min(length, self._affordable(index, rates))
-        if length < _PROBE_RUN:  # too few to count anything: later, when the budget has grown
+        if length < shortest:  # too few to learn from: later, when the budget has grown
             profile.until_probe = _REESTIMATE
             return []
+        if profile.probes_made == 0:  # the opening's counts, made on short windows in the top
+            profile.at_risk[:], profile.stopped[:] = 0.0, 0.0  # rows, underrate long windows
         profile.probes_made, profile.until_probe = profile.probes_made + 1, None
         return [probe] * length
 
@@ -575,8 +587,8 @@ class AutoPlan:
                 profile.stopped[passed + 1] += 1
 
     def notes(self) -> dict:
-        self.profile.current = self.current
         rates = self._rates()
+        self.profile.current = self._best(rates)  # where the next generation starts
         return {"auto_best_shape": describe_shape(self.shapes[int(rates.argmax())]),
                 "auto_sibling_pass": round(self._sibling_pass(), 4),
                 "auto_choice": self._choice(rates)}
