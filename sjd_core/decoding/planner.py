@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import statistics
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -93,9 +95,9 @@ _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
 # (or a compile) the next few still run slower, by up to 80% on a CPU
-_TIMED_RUN = 7  # iterations of AR that a new profile times
+_TIMED_RUN = 12  # iterations of AR that a new profile times (and a probe run of AR)
 _OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
-_TIME_WEIGHT = 0.2  # a shape's seconds: the mean of its first 5 times, then moving by this
+_RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
 # slowly, and making one costs about as much as a dozen small tensor operations
@@ -109,8 +111,9 @@ class _Profile:
     window (a draft at depth j is tested when the j - 1 before it passed). ``sibling_tests`` and
     ``sibling_passes``: decayed counts of PD candidates 2..K tested (where the ones before them
     failed) and passed. ``seconds``: seconds per iteration by fed node count (1: the plain
-    autoregressive step), the mean of the first few times, then exponentially weighted;
-    ``fastest``: the fastest time of each node count (what a shape costs at best).
+    autoregressive step), the median of the last ``_RECENT_TIMES`` (one time that the machine
+    stretched, another process or a pause, moves it not at all); ``fastest``: the fastest time
+    of each node count (what a shape costs at best).
     """
 
     window: int
@@ -120,7 +123,7 @@ class _Profile:
     sibling_passes: float = 0.0
     seconds: dict[int, float] = field(default_factory=dict)
     fastest: dict[int, float] = field(default_factory=dict)
-    times_taken: dict[int, int] = field(default_factory=dict)  # the times behind ``seconds``
+    recent: dict[int, deque] = field(default_factory=dict)  # the times behind ``seconds``
     fed: set[int] = field(default_factory=set)  # compiled: the shapes fed at full batch (index)
     opened: bool = False  # the opening runs were queued (see AutoPlan)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
@@ -133,10 +136,9 @@ class _Profile:
         self.stopped = np.zeros(self.window)
 
     def time(self, nodes: int, seconds: float) -> None:
-        taken = self.times_taken.get(nodes, 0) + 1
-        self.times_taken[nodes] = taken
-        old = self.seconds.get(nodes, seconds)
-        self.seconds[nodes] = old + max(1.0 / taken, _TIME_WEIGHT) * (seconds - old)
+        recent = self.recent.setdefault(nodes, deque(maxlen=_RECENT_TIMES))
+        recent.append(seconds)
+        self.seconds[nodes] = statistics.median(recent)
         self.fastest[nodes] = min(seconds, self.fastest.get(nodes, seconds))
 
 
@@ -226,12 +228,12 @@ class AutoPlan:
       autoregression (its own, leaner step) keeps its own measured time.
     - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
       forward, and the next few after a switch, run slower), one in which the network compiled,
-      and one that fed fewer rows than the batch has. A shape's seconds are the mean of its
-      first five times, then a moving average; its fastest time is kept too.
+      and one that fed fewer rows than the batch has. A shape's seconds are the median of its
+      last nine times; its fastest time is kept too.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is
       charged its seconds beyond what the best shape would have taken for the codes it
-      committed. A new profile opens with AR for 7 iterations, then the short window (4) and
-      the middle one for 12 each: the times of two window sizes and the first counts. Then
+      committed. A new profile opens with AR, then the short window (4) and the middle one,
+      12 iterations each: the times of two window sizes and the first counts. Then
       the longest window, in turn with and without its full tree, runs now and then for 10
       iterations (the first time 30; its counts replace the opening's, made on short windows
       in the top rows, which underrate long windows), on an interval set from what the last

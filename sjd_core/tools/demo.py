@@ -220,6 +220,8 @@ def _run(args: argparse.Namespace) -> dict:
         from ..decoding.trace import shape_counts_text
 
         print("  steps by shape (first image): " + shape_counts_text(summary["shapes"]))
+    if summary["auto_choice"]:
+        print(f"  fed {summary['auto_choice']} (first image)")
     if compare:
         baseline_seconds = totals["ar"][0]
         print(f"AR: {totals['ar'][1]:.0f} forward passes, {totals['ar'][0]:.2f} s, same prompts "
