@@ -154,10 +154,10 @@ def test_ar_and_auto_side_by_side(server, object_info):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in OLD_WORKFLOWS.glob("*.json")))
-def test_workflows_saved_with_the_first_release_still_run(server, object_info, name):
+def test_workflows_saved_with_old_nodes_still_run(server, object_info, name):
     prompt = ui_to_api(workflow(name, OLD_WORKFLOWS), object_info)
     entry = run(server, prompt)
-    samplers = nodes_of(prompt, "SJDSampler")
+    samplers = nodes_of(prompt, "SJDSampler") + nodes_of(prompt, "SJDSamplerV2")
     assert samplers and all(entry["outputs"][n]["sjd_summary"][0]["slots_per_image"]
                             == REFERENCE_CODES for n in samplers)
     for node in nodes_of(prompt, "SaveImage"):

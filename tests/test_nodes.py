@@ -689,6 +689,16 @@ def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
                 assert len(node["widgets_values"]) == len(names), (path.name, node["type"])
 
 
+def test_family_templates_show_the_speed_options_at_their_defaults():
+    for name in FAMILY_TEMPLATES:
+        graph = json.loads((TEMPLATES / f"{name}.json").read_text())
+        (speed,) = [n for n in graph["nodes"] if n["type"] == "SJDSpeedOptions"]
+        assert saved_widgets(speed) == widget_defaults(pack.NODE_CLASS_MAPPINGS["SJDSpeedOptions"])
+        (sampler,) = [n for n in graph["nodes"] if n["type"] == "SJDSamplerV2"]
+        (link,) = [link for link in graph["links"] if link[1] == speed["id"]]
+        assert (link[3], sampler["inputs"][link[4]]["name"]) == (sampler["id"], "speed")
+
+
 def test_template_category_is_named_after_the_pack():
     from comfyui_harness import PACK_DIR_NAME
 
