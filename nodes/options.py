@@ -4,7 +4,7 @@ SJD Drafting Options (how guesses are made), SJD Lossy Acceptance (relaxed rules
 image's distribution) and SJD Speed Options (AUTO's shape choice, compiling) each set a part of
 ``AccelerationSettings``; they chain through their ``acceleration`` input or go to the sampler's
 inputs of their own. SJD Sampling Options picks the recipe. Widgets are made from the settings'
-fields (``widgets.py``), so a new setting needs only a place in ``OPTION_GROUPS``.
+fields (``widgets.py``), so a new setting needs only a place in ``widgets.OPTION_GROUPS``.
 """
 
 from __future__ import annotations
@@ -13,26 +13,12 @@ from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from ..sjd_core.models.registry import offered_recipes
 from .handles import (ACCELERATION_TYPE, CUSTOM, FAMILY_RECIPE, SAMPLING_TYPE,
                       AccelerationOptions, SamplingChoice)
-from .widgets import (AS_MODE, SWITCH_VALUES, acceleration_option_fields, field_widget,
-                      sampling_fields, setting_value, switches)
+from .widgets import (AS_MODE, OPTION_GROUPS, SWITCH_VALUES, acceleration_option_fields,
+                      field_widget, option_widgets, sampling_fields, setting_value, switches)
 
 SAMPLING_NODE = "SJD Sampling Options"
-# node key -> the AccelerationSettings fields its widgets set, in widget order
-OPTION_GROUPS: dict[str, tuple[str, ...]] = {
-    "SJDDraftingOptions": ("init", "adaptive_continuation", "proactive_drafting",
-                           "pd_candidates", "pd_depth", "verification_prediction", "vp_rises",
-                           "vp_top_k", "vp_decay"),
-    "SJDLossyAcceptance": ("relaxed", "lantern_neighbours", "lantern_delta", "gsd_rank_radius",
-                           "gsd_prob_tolerance", "gsd_embedding_tolerance"),
-    "SJDSpeedOptions": ("adaptive_shape", "adaptive_tree", "shape_cost", "compile"),
-}
 CHAIN_TOOLTIP = ("Optional: settings from another SJD option node, to which this node's are "
                  "added (a setting both nodes give must have the same value).")
-
-
-def option_widgets(names: tuple[str, ...]) -> dict[str, tuple]:
-    """The widgets of these AccelerationSettings fields; on/off fields as 'as mode' combos."""
-    return {name: field_widget(AccelerationSettings, name, switch=True) for name in names}
 
 
 def chosen_options(widgets: dict[str, object]) -> AccelerationOptions:

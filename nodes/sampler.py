@@ -8,10 +8,10 @@ option nodes (chained, or one per input) and SJD Sampling Options as objects.
 from __future__ import annotations
 
 from ..sjd_core.decoding.settings import AccelerationSettings
-from .generation import RESOLUTIONS, Prompting, check_resolution, run_sampler
-from .handles import (ACCELERATION_TYPE, CODES_TYPE, MODEL_TYPE, SAMPLING_TYPE, TRACE_TYPE,
+from .generation import Prompting, check_resolution, prompting_inputs, run_sampler
+from .handles import (ACCELERATION_TYPE, CODES_TYPE, SAMPLING_TYPE, TRACE_TYPE,
                       AccelerationOptions, LoadedModel, SamplingChoice)
-from .widgets import (BATCH_TOOLTIP, chosen_window, default_mode, mode_choices, preset_of,
+from .widgets import (chosen_window, default_mode, mode_choices, preset_of,
                       window_widget)
 
 NODE = "SJD Sampler"
@@ -28,36 +28,6 @@ OPTION_INPUTS = {
     "lossy": "Settings from SJD Lossy Acceptance: LOSSY relaxed acceptance (LANTERN, GSD).",
     "speed": "Settings from SJD Speed Options: AUTO's shape choice and compiling (lossless).",
 }
-
-
-def prompting_inputs() -> dict[str, tuple]:
-    """What to draw: the model and the widgets every sampler has besides its settings."""
-    return {
-        "model": (MODEL_TYPE, {"tooltip": "A model from SJD Model Loader."}),
-        "prompt": ("STRING", {
-            "multiline": True, "default": "sneaker",
-            "tooltip": "What to draw. The embedded reference model takes a Fashion-MNIST "
-                       "class name (t-shirt, trouser, pullover, dress, coat, sandal, "
-                       "shirt, sneaker, bag, ankle boot)."}),
-        "negative_prompt": ("STRING", {
-            "multiline": True, "default": "",
-            "tooltip": "What to steer away from with guidance; empty uses the family's "
-                       "unconditional context. Ignored when guidance is 1.0."}),
-        "resolution": (list(RESOLUTIONS), {
-            "default": "default",
-            "tooltip": "Image size in pixels (width x height). 'default' is the family's "
-                       "own size; the Loader's info output lists every size the loaded "
-                       "model supports."}),
-        "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": BATCH_TOOLTIP}),
-        "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
-                         "control_after_generate": True,
-                         "tooltip": "Random seed; the same seed and settings give the "
-                                    "same image. Lossless modes draw from the same "
-                                    "distribution but not the same sample per seed. "
-                                    "AUTO picks its steps from measured speed, so a seed "
-                                    "may give another (equally likely) image from run "
-                                    "to run: use a fixed mode to repeat one exactly."}),
-    }
 
 
 def combined_options(parts: dict[str, AccelerationOptions | None]) -> AccelerationOptions | None:

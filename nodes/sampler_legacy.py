@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from ..sjd_core.messages import quote
 from ..sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
-from .generation import Prompting, check_resolution, run_sampler
+from .generation import Prompting, check_resolution, prompting_inputs, run_sampler
 from .handles import (CODES_TYPE, CUSTOM, FAMILY_RECIPE, TRACE_TYPE, LoadedModel,
                       SamplingChoice)
-from .options import OPTION_GROUPS, option_widgets
-from .sampler import prompting_inputs
-from .widgets import field_widget, setting_value
+from .widgets import OPTION_GROUPS, field_widget, option_widgets, setting_value
 
 NODE = "SJD Sampler (all options, old)"
 MODES = {"PAC+VP": "pac+vp", "PAC": "pac", "SJD": "sjd", "AR": "ar", "custom": None}

@@ -253,3 +253,20 @@ def switches() -> set[str]:
     hints = typing.get_type_hints(AccelerationSettings)
     return {f.name for f in fields(AccelerationSettings)
             if hints[f.name] is bool and f.name not in TOOL_ONLY}
+
+
+# option node key -> the AccelerationSettings fields its widgets set, in widget order; together
+# they are ``acceleration_option_fields()`` (a test checks it)
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "SJDDraftingOptions": ("init", "adaptive_continuation", "proactive_drafting",
+                           "pd_candidates", "pd_depth", "verification_prediction", "vp_rises",
+                           "vp_top_k", "vp_decay"),
+    "SJDLossyAcceptance": ("relaxed", "lantern_neighbours", "lantern_delta", "gsd_rank_radius",
+                           "gsd_prob_tolerance", "gsd_embedding_tolerance"),
+    "SJDSpeedOptions": ("adaptive_shape", "adaptive_tree", "shape_cost", "compile"),
+}
+
+
+def option_widgets(names: tuple[str, ...]) -> dict[str, tuple]:
+    """The widgets of these AccelerationSettings fields; on/off fields as 'as mode' combos."""
+    return {name: field_widget(AccelerationSettings, name, switch=True) for name in names}

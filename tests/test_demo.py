@@ -15,7 +15,7 @@ from sjd_core.models import movqgan
 from sjd_core.tools import bench, demo
 from sjd_core.tools.cli import ImageProgress, default_threads
 from sjd_core.tools.reference import benchmark
-from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
+from sjd_core.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
                                    committed_together, heatmap, histogram_figure, image_grid,
                                    labelled_panel, rule_legend, rule_map)
 from sjd_core.decoding.drafting import ABOVE_TARGET_INIT, AC_KEPT, LEFT_INIT, UNIFORM_INIT

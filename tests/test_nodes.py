@@ -22,8 +22,7 @@ from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
 from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
 from sjd_pack.nodes.handles import AccelerationOptions, SamplingChoice  # noqa: E402
-from sjd_pack.nodes.options import OPTION_GROUPS  # noqa: E402
-from sjd_pack.nodes.widgets import acceleration_option_fields  # noqa: E402
+from sjd_pack.nodes.widgets import OPTION_GROUPS, acceleration_option_fields  # noqa: E402
 from sjd_pack.nodes.widgets import OWN_WINDOW, default_mode  # noqa: E402
 from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
                                                  AccelerationSettings, SamplingSettings)

@@ -148,7 +148,7 @@ def _run(args: argparse.Namespace) -> dict:
     from ..models.protocol import GenerationRequest
     from ..models.reference import WEIGHTS_DIR
     from ..models.registry import load_model
-    from .figures import acceptance_figure, image_grid
+    from ..figures import acceptance_figure, image_grid
 
     threads = set_threads(args.threads)
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..messages import quote
-from ..decoding.drafting import DRAFT_SOURCES, NO_DRAFT
+from .messages import quote
+from .decoding.drafting import DRAFT_SOURCES, NO_DRAFT
 
 # Stops of a blue-green-yellow ramp that stays readable in grey and for common colour blindness.
 _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
