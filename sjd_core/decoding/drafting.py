@@ -2,7 +2,7 @@
 
 The window holds, for offsets ``j = 0 .. W-1`` after the committed prefix, a draft token and the
 distribution ``q_j`` it was really drawn from. The verifier tests drafts against ``q_j``; keeping
-that pairing honest is what makes every mode here exact (``sjd_core/decoding/ALGORITHMS.md``,
+that pairing honest is what makes every mode here exact (``docs/algorithms.md``,
 section 2, the exactness lemma). An iteration may feed only the first ``L <= W`` offsets; the
 others keep their drafts. All functions work on whole (B, W, V) tensors: no loop over slots, no
 device reads.

@@ -1,6 +1,6 @@
 """Acceptance rules, and the verifier that decides which drafts of a fed tree are committed.
 
-Glossary (``sjd_core/decoding/ALGORITHMS.md``, sections 2 and 5, has the proofs):
+Glossary (``docs/algorithms.md``, sections 2 and 5, has the proofs):
 
 - *candidate*: a code drafted for a slot. A node's children are the candidates ``x_1 .. x_K`` of
   the slot after it, drawn without replacement from that slot's draft distribution ``q``.
