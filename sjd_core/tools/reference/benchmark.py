@@ -127,11 +127,6 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
                 ) -> list[dict]:
     """The ablation rows ``modes`` (AR first) on the same prompts and seeds; one result dict per
     row."""
-    import numpy as np
-    import torch
-
-    from ...decoding.planner import largest_shape
-    from ...decoding.trace import RISE_COUNTS
     from ...models.protocol import GenerationRequest
     from .probe import energy_test
 
@@ -153,47 +148,58 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
         print(f"  measured every mode on {name}", flush=True)
     rows, ar_features = [], None
     for label, acceleration in settings:
-        parts = measured[label]
-        codes = torch.cat([part["codes"] for part in parts])
-        wanted = np.repeat(np.arange(len(classes)), per_class)
-        stats = [target_statistics(model, GenerationRequest(prompt=name), sampling, part["codes"])
-                 for name, part in zip(classes, parts)]
-        images = model.decode(codes)
-        features = probe.features(images)
-        quality = probe.evaluate(images, wanted)
-        seconds = sum(part["seconds"] for part in parts)
-        outside = sum(part["seconds"] * (1 - part["forward_share"]) for part in parts) / seconds
-        row = {
-            "mode": label, "lossless": acceleration.lossless,
-            "nodes": largest_shape(acceleration),
-            "nfe": float(np.mean([part["nfe"] for part in parts])),
-            "step_compression": float(np.mean([part["step_compression"] for part in parts])),
-            "mean_accepted_length": float(np.mean([part["mean_accepted_length"] for part in parts])),
-            "seconds": seconds, "outside_forward": outside,
-            "entropy": float(np.concatenate([s[0] for s in stats]).mean()),
-            "top1": float(np.concatenate([s[1] for s in stats]).mean()),
-            "accuracy": quality["accuracy"], "feature_distance": quality["feature_distance"],
-        }
-        row["drafts"] = {name: (sum(part_summary["drafts_tested"][name] for part in parts
-                                    for part_summary in part["summaries"]),
-                                sum(part_summary["draft_sources"][name] for part in parts
-                                    for part_summary in part["summaries"]))
-                         for name in parts[0]["summaries"][0]["drafts_tested"]}
-        row["shapes"] = Counter()
-        for part in parts:
-            for part_summary in part["summaries"]:
-                row["shapes"].update(part_summary["shapes"])
-        row["vp_rises"] = {name: sum(part_summary["vp_rises"].get(name, 0) for part in parts
-                                     for part_summary in part["summaries"])
-                           for name in RISE_COUNTS}
+        row, features = _row(model, probe, sampling, label, acceleration, measured[label],
+                             per_class)
         if ar_features is None:
-            ar_features, ar_seconds = features, seconds
+            ar_features, ar_seconds = features, row["seconds"]
             row["p_vs_ar"] = None
         else:
             row["p_vs_ar"] = energy_test(ar_features, features, seed=seed)[1]
-        row["speedup"] = ar_seconds / seconds
+        row["speedup"] = ar_seconds / row["seconds"]
         rows.append(row)
     return rows
+
+
+def _row(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingSettings, label: str,
+         acceleration: AccelerationSettings, parts: list[dict], per_class: int
+         ) -> tuple[dict, object]:
+    """One mode's table row from its measured parts (one per class), and the probe's features
+    of its images (for the test against AR's)."""
+    import numpy as np
+    import torch
+
+    from ...decoding.planner import largest_shape
+    from ...decoding.trace import RISE_COUNTS
+    from ...models.protocol import GenerationRequest
+
+    classes = list(model.classes.names)
+    codes = torch.cat([part["codes"] for part in parts])
+    wanted = np.repeat(np.arange(len(classes)), per_class)
+    stats = [target_statistics(model, GenerationRequest(prompt=name), sampling, part["codes"])
+             for name, part in zip(classes, parts)]
+    images = model.decode(codes)
+    quality = probe.evaluate(images, wanted)
+    seconds = sum(part["seconds"] for part in parts)
+    outside = sum(part["seconds"] * (1 - part["forward_share"]) for part in parts) / seconds
+    summaries = [summary for part in parts for summary in part["summaries"]]
+    row = {
+        "mode": label, "lossless": acceleration.lossless,
+        "nodes": largest_shape(acceleration),
+        "nfe": float(np.mean([part["nfe"] for part in parts])),
+        "step_compression": float(np.mean([part["step_compression"] for part in parts])),
+        "mean_accepted_length": float(np.mean([part["mean_accepted_length"] for part in parts])),
+        "seconds": seconds, "outside_forward": outside,
+        "entropy": float(np.concatenate([s[0] for s in stats]).mean()),
+        "top1": float(np.concatenate([s[1] for s in stats]).mean()),
+        "accuracy": quality["accuracy"], "feature_distance": quality["feature_distance"],
+        "drafts": {name: (sum(summary["drafts_tested"][name] for summary in summaries),
+                          sum(summary["draft_sources"][name] for summary in summaries))
+                   for name in summaries[0]["drafts_tested"]},
+        "shapes": sum((Counter(summary["shapes"]) for summary in summaries), Counter()),
+        "vp_rises": {name: sum(summary["vp_rises"].get(name, 0) for summary in summaries)
+                     for name in RISE_COUNTS},
+    }
+    return row, probe.features(images)
 
 
 def table(rows: list[dict]) -> str:
