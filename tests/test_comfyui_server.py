@@ -21,6 +21,9 @@ from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
 from test_nodes import (AR_VS_AUTO, FAMILY_TEMPLATES, TEXT_TO_IMAGE,  # noqa: E402
                         pack)  # the pack imported as a package, as ComfyUI does
 
+# A real ComfyUI server: outside the fast loop, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 WORKFLOWS = REPO / "workflows"
 OLD_WORKFLOWS = Path(__file__).resolve().parent / "old_workflows"
 REFERENCE_CODES = 16 * 16
