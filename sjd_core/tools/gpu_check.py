@@ -433,7 +433,8 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options."""
     parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.gpu_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy width on the CPU (a smoke test)")
@@ -451,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="iterations per mode under the profiler (default 8 real, 1 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of each forward")
     parser.add_argument("--json", default=None, help="also write the table to this JSON file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the table; exit code 2 without CUDA unless ``--tiny``."""
+    args = parse_args(argv)
     if args.tiny:
         device, dtype, size = torch.device("cpu"), torch.float32, TINY
         torch.set_num_threads(1)  # toy sizes gain nothing from threads; leave the other cores be
