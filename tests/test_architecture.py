@@ -157,3 +157,57 @@ def test_importing_the_core_loads_no_family_tool_or_comfyui():
     stray = [m for m in loaded if m not in allowed and not m.startswith("sjd_core.decoding.")]
     assert "sjd_core.decoding.engine" in loaded
     assert not stray, f"importing the core loaded {stray}"
+
+
+def fast_test(file: Path) -> bool:
+    """Whether ``pytest -m "not slow"`` runs a test of ``file``: not marked slow as a whole, and
+    one ``test_`` function at least without the slow mark."""
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and "slow" in ast.unparse(node.value) and any(
+                getattr(target, "id", "") == "pytestmark" for target in node.targets):
+            return False
+    return any(isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+               and not any("slow" in ast.unparse(d) for d in node.decorator_list)
+               for node in tree.body)
+
+
+def reached_from(file: Path, modules: dict[str, Path], seen: set[Path]) -> set[str]:
+    """Project modules a test file imports: directly, through the test helpers it imports, by
+    importing the pack (every node), or by running ``python -m`` on one."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "import_pack":
+            names.add("nodes")
+        elif isinstance(node, ast.Constant) and node.value in modules:
+            names.add(node.value)
+    found = set()
+    for name in names:
+        name = name.removeprefix("sjd_pack.")
+        helper = ROOT / "tests" / f"{name}.py"
+        if helper.is_file() and helper not in seen:
+            seen.add(helper)
+            found |= reached_from(helper, modules, seen)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def test_the_fast_loop_reaches_every_module():
+    modules, graph = project_modules(), import_graph()
+    fast = [f for f in sorted((ROOT / "tests").glob("test_*.py")) if fast_test(f)]
+    assert len(fast) > 20 and not fast_test(ROOT / "tests" / "test_comfyui_server.py")
+    reached = set().union(*(reached_from(f, modules, {f}) for f in fast))
+    todo = list(reached)
+    while todo:
+        for module in graph[todo.pop()] - reached:
+            reached.add(module)
+            todo.append(module)
+    assert reached >= {"nodes.options", "sjd_core.decoding.engine", "sjd_core.tools.demo"}
+    assert sorted(set(modules) - reached) == [], "modules no fast test imports"
