@@ -61,6 +61,7 @@ class _OptionGroup:
 
     def options(self, acceleration: AccelerationOptions | None = None,
                 **widgets: object) -> tuple[AccelerationOptions]:
+        """This node's settings, added to those of the chain before it."""
         return chained(self.NODE, acceleration, chosen_options(widgets))
 
 
@@ -135,6 +136,7 @@ class SJDAccelerationOptions:
         return compile_check(compile)
 
     def options(self, **widgets: object) -> tuple[AccelerationOptions]:
+        """Every setting as saved; a switch left 'as mode' is left to the sampler's mode."""
         return (chosen_options(widgets),)
 
 
