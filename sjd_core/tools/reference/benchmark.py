@@ -356,7 +356,7 @@ def _run(args: argparse.Namespace) -> dict[str, list[dict]]:
 def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
     from ...models.reference.adapter import WEIGHTS_DIR
     from ...models.registry import load_model
-    from .probe import QualityProbe, real_floor
+    from .probe import QualityProbe
 
     threads = set_threads(args.threads)
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
@@ -375,29 +375,38 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
         sweeps[name] = ([] if args.modes else
                         window_sweep(model, sampling, args.per_class, args.seed))
     for name, rows in results.items():
-        print(f"\n### {name} setting: {settings[name]}, {count} images per mode (10 classes x "
-              f"{args.per_class} seeds)\n")
-        print(table(rows))
-        print(f"\nmean top-1 probability of the target (AR images): {rows[0]['top1']:.3f}; "
-              f"feature distance of {count} real test images (the floor at this count): "
-              f"{real_floor(probe, count, seed=args.seed):.2f}")
-        print("\ndecisive tests passed, by the rule that made the draft:")
-        print(draft_rules(rows))
-        if any(len(row["shapes"]) > 1 for row in rows):
-            print("\niterations by the shape fed:")
-            print(shapes_fed(rows))
-        if any(row["vp_rises"]["slots"] for row in rows):
-            print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
-                  "committed code:")
-            print(vp_rises(rows))
-        if sweeps[name]:
-            print("\nAC+above by window length: " + ", ".join(
-                f"window {row['window']}: mean accepted length "
-                f"{row['mean_accepted_length']:.2f} ({row['step_compression']:.2f}x)"
-                for row in sweeps[name]))
-        print("targets:")
-        print("\n".join(targets(name, rows)))
+        _print_setting(name, settings[name], rows, sweeps[name], probe, args)
     return results
+
+
+def _print_setting(name: str, sampling: SamplingSettings, rows: list[dict], sweep: list[dict],
+                   probe: QualityProbe, args: argparse.Namespace) -> None:
+    """One setting's table, its draft rules, shapes, VP rises, window sweep and targets."""
+    from .probe import real_floor
+
+    count = 10 * args.per_class
+    print(f"\n### {name} setting: {sampling}, {count} images per mode (10 classes x "
+          f"{args.per_class} seeds)\n")
+    print(table(rows))
+    print(f"\nmean top-1 probability of the target (AR images): {rows[0]['top1']:.3f}; "
+          f"feature distance of {count} real test images (the floor at this count): "
+          f"{real_floor(probe, count, seed=args.seed):.2f}")
+    print("\ndecisive tests passed, by the rule that made the draft:")
+    print(draft_rules(rows))
+    if any(len(row["shapes"]) > 1 for row in rows):
+        print("\niterations by the shape fed:")
+        print(shapes_fed(rows))
+    if any(row["vp_rises"]["slots"] for row in rows):
+        print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
+              "committed code:")
+        print(vp_rises(rows))
+    if sweep:
+        print("\nAC+above by window length: " + ", ".join(
+            f"window {row['window']}: mean accepted length "
+            f"{row['mean_accepted_length']:.2f} ({row['step_compression']:.2f}x)"
+            for row in sweep))
+    print("targets:")
+    print("\n".join(targets(name, rows)))
 
 
 if __name__ == "__main__":
