@@ -91,6 +91,7 @@ def sampling(**changes):
 
 # ---------------------------------------------------------------- the pack as ComfyUI sees it
 
+@pytest.mark.slow
 def test_pack_imports_without_comfyui():
     code = (f"import sys, importlib.util as u; s = u.spec_from_file_location('p', {str(REPO / '__init__.py')!r}, "
             f"submodule_search_locations=[{str(REPO)!r}]); m = u.module_from_spec(s); "
@@ -393,6 +394,7 @@ def test_settings_travel_as_objects(synthetic):
     assert torch.equal(first, sample(synthetic, prompt="p", seed=2, sampling=greedy)[0].codes)
 
 
+@pytest.mark.slow
 def test_without_sampling_options_the_family_recipe_is_used(reference):
     loaded = reference[0]
     recipe = loaded.model.defaults
@@ -481,6 +483,7 @@ def test_sampling_options_report_bad_values_on_their_own_node(changes, expected)
         assert part in str(error.value)
 
 
+@pytest.mark.slow
 def test_ui_payload_is_bounded_and_the_trace_goes_through_the_output():
     torch.manual_seed(0)
     big = LoadedModel(SyntheticModel(codebook_size=8, grid=(90, 90), width=16, sharpness=6.0),
