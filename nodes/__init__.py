@@ -4,7 +4,8 @@ from . import comfy_bridge, resolutions_route
 from .decode import SJDDecode
 from .diagnostics import SJDDiagnostics
 from .loader import SJDModelLoader
-from .options import SJDAccelerationOptions, SJDSamplingOptions
+from .options import (SJDAccelerationOptions, SJDDraftingOptions, SJDLossyAcceptance,
+                      SJDSamplingOptions, SJDSpeedOptions)
 from .sampler import SJDSampler
 from .sampler_legacy import SJDSamplerLegacy
 
@@ -15,20 +16,27 @@ if comfy_bridge.running_server() is not None:
 NODE_CLASS_MAPPINGS = {
     "SJDModelLoader": SJDModelLoader,
     "SJDSamplerV2": SJDSampler,
-    "SJDAccelerationOptions": SJDAccelerationOptions,
+    "SJDDraftingOptions": SJDDraftingOptions,
+    "SJDSpeedOptions": SJDSpeedOptions,
+    "SJDLossyAcceptance": SJDLossyAcceptance,
     "SJDSamplingOptions": SJDSamplingOptions,
     "SJDDecode": SJDDecode,
     "SJDDiagnostics": SJDDiagnostics,
-    # The first release's sampler, under its saved name so that old workflows load (hidden).
+    # Kept under their saved names so that older workflows load (hidden): the first release's
+    # sampler and the options node that held every acceleration setting.
     "SJDSampler": SJDSamplerLegacy,
+    "SJDAccelerationOptions": SJDAccelerationOptions,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "SJDModelLoader": "SJD Model Loader",
     "SJDSamplerV2": "SJD Sampler",
-    "SJDAccelerationOptions": "SJD Acceleration Options",
+    "SJDDraftingOptions": "SJD Drafting Options",
+    "SJDSpeedOptions": "SJD Speed Options",
+    "SJDLossyAcceptance": "SJD Lossy Acceptance",
     "SJDSamplingOptions": "SJD Sampling Options",
     "SJDDecode": "SJD Decode",
     "SJDDiagnostics": "SJD Diagnostics",
     "SJDSampler": "SJD Sampler (all options, old)",
+    "SJDAccelerationOptions": "SJD Acceleration Options (old)",
 }

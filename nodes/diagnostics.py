@@ -1,8 +1,8 @@
 """SJD Diagnostics: where and how fast drafts were accepted, as heatmaps, a histogram and a summary.
 
-The node shows one picture, the sheet of :func:`sjd_core.tools.figures.diagnostics_sheet` (the
+The node shows one picture, the sheet of :func:`sjd_core.figures.diagnostics_sheet` (the
 comparison with an AR run or the run's summary, the three heatmaps with their colour bars, the
-draft-rule map with its legend, the histogram), drawn :data:`~sjd_core.tools.figures.SHEET_WIDTH`
+draft-rule map with its legend, the histogram), drawn :data:`~sjd_core.figures.SHEET_WIDTH`
 px wide with fonts that stay readable at the width the templates give the node (the arithmetic is
 in figures.py, beside SHEET_BOXES). Its outputs are the separate panels, one per batch row.
 """
@@ -15,7 +15,7 @@ from PIL import Image
 
 from ..sjd_core.messages import quote
 from ..sjd_core.decoding.trace import summary_text
-from ..sjd_core.tools.figures import (SHEET_SPEED_UP, SHEET_TEXT, UNITS, diagnostics_sheet,
+from ..sjd_core.figures import (SHEET_SPEED_UP, SHEET_TEXT, UNITS, diagnostics_sheet,
                                      heatmap, histogram_figure, labelled_panel, rule_legend,
                                      rule_map, value_range)
 from . import comfy_bridge

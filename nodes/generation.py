@@ -1,7 +1,7 @@
 """One sampler run inside ComfyUI: checks, the engine call, live progress, previews, Cancel.
 
 Shared by the SJD Sampler and the old all-in-one sampler, which differ only in how their widgets
-become settings objects.
+become settings objects; both declare what to draw with ``prompting_inputs``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ..sjd_core.decoding.trace import summary_text
 from ..sjd_core.models.protocol import GenerationRequest
 from ..sjd_core.models.registry import offered_resolutions
 from . import comfy_bridge
-from .handles import LoadedModel, RunInfo, SamplerCodes, SamplerTrace
+from .handles import MODEL_TYPE, LoadedModel, RunInfo, SamplerCodes, SamplerTrace
+from .widgets import BATCH_TOOLTIP
 
 PROGRESS_EVENT = "sjd.progress"
 PREVIEW_SECONDS = 0.5  # the least time between two live previews
@@ -43,6 +44,36 @@ class Prompting:
     resolution: str
     batch_size: int
     seed: int
+
+
+def prompting_inputs() -> dict[str, tuple]:
+    """What to draw: the model and the widgets every sampler has besides its settings."""
+    return {
+        "model": (MODEL_TYPE, {"tooltip": "A model from SJD Model Loader."}),
+        "prompt": ("STRING", {
+            "multiline": True, "default": "sneaker",
+            "tooltip": "What to draw. The embedded reference model takes a Fashion-MNIST "
+                       "class name (t-shirt, trouser, pullover, dress, coat, sandal, "
+                       "shirt, sneaker, bag, ankle boot)."}),
+        "negative_prompt": ("STRING", {
+            "multiline": True, "default": "",
+            "tooltip": "What to steer away from with guidance; empty uses the family's "
+                       "unconditional context. Ignored when guidance is 1.0."}),
+        "resolution": (list(RESOLUTIONS), {
+            "default": "default",
+            "tooltip": "Image size in pixels (width x height). 'default' is the family's "
+                       "own size; the Loader's info output lists every size the loaded "
+                       "model supports."}),
+        "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": BATCH_TOOLTIP}),
+        "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
+                         "control_after_generate": True,
+                         "tooltip": "Random seed; the same seed and settings give the "
+                                    "same image. Lossless modes draw from the same "
+                                    "distribution but not the same sample per seed. "
+                                    "AUTO picks its steps from measured speed, so a seed "
+                                    "may give another (equally likely) image from run "
+                                    "to run: use a fixed mode to repeat one exactly."}),
+    }
 
 
 def parse_resolution(value: str, node: str) -> tuple[int, int] | None:

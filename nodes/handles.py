@@ -3,7 +3,7 @@
 ``SJD_MODEL`` carries a loaded model, ``SJD_CODES`` the code grids of one sampler run (and the
 model that can decode them), ``SJD_TRACE`` the trace of one run with what was asked for, so that a
 node receiving two of them can tell whether they belong together. ``SJD_ACCELERATION`` carries the
-options of an SJD Acceleration Options node, ``SJD_SAMPLING`` the choice of an SJD Sampling
+settings of one or more chained SJD option nodes, ``SJD_SAMPLING`` the choice of an SJD Sampling
 Options node: a recipe of the loaded model by name, or validated custom ``SamplingSettings``.
 """
 
@@ -93,6 +93,16 @@ class AccelerationOptions:
     """
 
     overrides: dict[str, Any] = field(default_factory=dict)
+
+    def merged(self, other: AccelerationOptions) -> AccelerationOptions:
+        """These settings and ``other``'s together; ValueError naming a setting the two give
+        different values, since neither node could then be said to decide it."""
+        for name, value in other.overrides.items():
+            if name in self.overrides and self.overrides[name] != value:
+                raise ValueError(f"{name} is set twice, to {quote(self.overrides[name])} and to "
+                                 f"{quote(value)}, by two SJD option nodes: set it on one of "
+                                 "them only.")
+        return AccelerationOptions(self.overrides | other.overrides)
 
     def settings(self, preset: str, window: int | None) -> AccelerationSettings:
         """The preset with ``window`` (unless the preset is plain autoregression; None keeps the

@@ -55,5 +55,6 @@ def missing_model_message(name: str) -> str:
     left_out = f" Left out of the listing: {'; '.join(skipped)}." if skipped else ""
     return (f"SJD Model Loader: model={quote(name)} was not found in the SJD models folders "
             f"[{checked}]. Put the checkpoint folder there under that name (the README's "
-            f"'models' section says where each family's weights come from), or add a folder with "
-            f"an 'sjd:' entry in extra_model_paths.yaml, or pick one of: {choices}.{left_out}")
+            "'Supported checkpoints' table says where each family's weights come from), or add a "
+            "folder with an 'sjd:' entry in extra_model_paths.yaml, or pick one of: "
+            f"{choices}.{left_out}")

@@ -2,16 +2,16 @@
 
 Shaped like ComfyUI's custom sampler: the node holds what to draw, the mode and the window; the
 rest of the acceleration settings and the sampling settings come, when wanted, from the SJD
-Acceleration Options and SJD Sampling Options nodes as objects.
+option nodes (chained, or one per input) and SJD Sampling Options as objects.
 """
 
 from __future__ import annotations
 
 from ..sjd_core.decoding.settings import AccelerationSettings
-from .generation import RESOLUTIONS, Prompting, check_resolution, run_sampler
-from .handles import (ACCELERATION_TYPE, CODES_TYPE, MODEL_TYPE, SAMPLING_TYPE, TRACE_TYPE,
+from .generation import Prompting, check_resolution, prompting_inputs, run_sampler
+from .handles import (ACCELERATION_TYPE, CODES_TYPE, SAMPLING_TYPE, TRACE_TYPE,
                       AccelerationOptions, LoadedModel, SamplingChoice)
-from .widgets import (BATCH_TOOLTIP, chosen_window, default_mode, mode_choices, preset_of,
+from .widgets import (chosen_window, default_mode, mode_choices, preset_of,
                       window_widget)
 
 NODE = "SJD Sampler"
@@ -20,8 +20,28 @@ MODE_TOOLTIP = (
     "per second on this machine (with adaptive continuation and drafts from the code above). AR: "
     "plain autoregression, one code per forward pass. SJD: speculative Jacobi decoding. PAC: SJD "
     "with adaptive continuation and proactive drafting. PAC+VP: PAC with verification "
-    "prediction. All of these are lossless; SJD Acceleration Options can change any part of the "
+    "prediction. All of these are lossless; the SJD option nodes can change any part of the "
     "mode.")
+# the sampler's inputs for one option node each, besides 'acceleration' (any node or a chain)
+OPTION_INPUTS = {
+    "drafting": "Settings from SJD Drafting Options: initial guesses, AC, PD, VP (lossless).",
+    "lossy": "Settings from SJD Lossy Acceptance: LOSSY relaxed acceptance (LANTERN, GSD).",
+    "speed": "Settings from SJD Speed Options: AUTO's shape choice and compiling (lossless).",
+}
+
+
+def combined_options(parts: dict[str, AccelerationOptions | None]) -> AccelerationOptions | None:
+    """The settings of every connected option input together (None when none is connected);
+    ValueError naming the input that sets a setting another input set otherwise."""
+    combined = None
+    for name, part in parts.items():
+        if part is None:
+            continue
+        try:
+            combined = part if combined is None else combined.merged(part)
+        except ValueError as error:
+            raise ValueError(f"{NODE}: {name}: {error}") from None
+    return combined
 
 
 def acceleration_settings(mode: str, window: int | None,
@@ -48,8 +68,9 @@ class SJDSampler:
     DESCRIPTION = ("Draws images as code grids with speculative Jacobi decoding: each step guesses "
                    "a window of codes and keeps those that pass an exact acceptance test, so the "
                    "result follows the model's own distribution while taking far fewer forward "
-                   "passes than plain autoregression (AR). Connect SJD Acceleration Options or SJD "
-                   "Sampling Options for the finer settings. The progress bar counts committed "
+                   "passes than plain autoregression (AR). Connect SJD Drafting Options, SJD Speed "
+                   "Options, SJD Lossy Acceptance or SJD Sampling Options for the finer "
+                   "settings. The progress bar counts committed "
                    "codes; the chart on the node shows codes accepted per step.")
     CATEGORY = "sampling/SJD"
     FUNCTION = "sample"
@@ -64,46 +85,22 @@ class SJDSampler:
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {
-            "required": {
-                "model": (MODEL_TYPE, {"tooltip": "A model from SJD Model Loader."}),
-                "prompt": ("STRING", {
-                    "multiline": True, "default": "sneaker",
-                    "tooltip": "What to draw. The embedded reference model takes a Fashion-MNIST "
-                               "class name (t-shirt, trouser, pullover, dress, coat, sandal, "
-                               "shirt, sneaker, bag, ankle boot)."}),
-                "negative_prompt": ("STRING", {
-                    "multiline": True, "default": "",
-                    "tooltip": "What to steer away from with guidance; empty uses the family's "
-                               "unconditional context. Ignored when guidance is 1.0."}),
-                "resolution": (list(RESOLUTIONS), {
-                    "default": "default",
-                    "tooltip": "Image size in pixels (width x height). 'default' is the family's "
-                               "own size; the Loader's info output lists every size the loaded "
-                               "model supports."}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": BATCH_TOOLTIP}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 2**53 - 1,
-                                 "control_after_generate": True,
-                                 "tooltip": "Random seed; the same seed and settings give the "
-                                            "same image. Lossless modes draw from the same "
-                                            "distribution but not the same sample per seed. "
-                                            "AUTO picks its steps from measured speed, so a seed "
-                                            "may give another (equally likely) image from run "
-                                            "to run: use a fixed mode to repeat one exactly."}),
+            "required": prompting_inputs() | {
                 "mode": (mode_choices(), {"default": default_mode(), "tooltip": MODE_TOOLTIP}),
                 "window": window_widget(),
             },
             "optional": {
                 "acceleration": (ACCELERATION_TYPE, {
-                    "tooltip": "Finer acceleration settings from SJD Acceleration Options "
-                               "(drafting, verification prediction, LOSSY relaxed acceptance). "
-                               "Without it: the mode's own settings."}),
+                    "tooltip": "Finer acceleration settings from any SJD option node, or from "
+                               "a chain of them. Without any: the mode's own settings."}),
                 "sampling": (SAMPLING_TYPE, {
                     "tooltip": "Guidance, temperature, top-k, top-p and guidance schedule "
                                "from SJD Sampling Options: another of the model's official "
                                "recipes, or your own. "
                                "Without it: the model family's first official recipe (see the "
                                "Loader's info)."}),
-            },
+            } | {name: (ACCELERATION_TYPE, {"tooltip": tooltip})
+                 for name, tooltip in OPTION_INPUTS.items()},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
@@ -116,9 +113,14 @@ class SJDSampler:
     def sample(self, model: LoadedModel, prompt: str, negative_prompt: str, resolution: str,
                batch_size: int, seed: int, mode: str, window: int,
                acceleration: AccelerationOptions | None = None,
-               sampling: SamplingChoice | None = None, unique_id: str | None = None) -> dict:
+               sampling: SamplingChoice | None = None, unique_id: str | None = None,
+               drafting: AccelerationOptions | None = None,
+               lossy: AccelerationOptions | None = None,
+               speed: AccelerationOptions | None = None) -> dict:
         """Build the settings objects, then run the engine with progress, previews and Cancel."""
-        settings = acceleration_settings(mode, chosen_window(window), acceleration)
+        options = combined_options({"acceleration": acceleration, "drafting": drafting,
+                                    "lossy": lossy, "speed": speed})
+        settings = acceleration_settings(mode, chosen_window(window), options)
         try:
             recipe = (sampling or SamplingChoice()).settings(model)
         except ValueError as error:

@@ -41,16 +41,13 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
              "from what the model predicted for the code above. All lossless.", None, None,
              None),
     "adaptive_continuation": ("AC: after a rejection, keep later guesses that still fit. "
-                              "Lossless. 'as mode' follows the sampler's mode (on in AUTO, PAC "
-                              "and PAC+VP).", None, None, None),
+                              "Lossless.", None, None, None),
     "proactive_drafting": ("PD: try K alternatives for the first D-1 window slots as a tree. "
-                           "Lossless. 'as mode' follows the sampler's mode (on in AUTO, PAC and "
-                           "PAC+VP).", None, None, None),
+                           "Lossless.", None, None, None),
     "pd_candidates": ("K: alternatives per slot in the proactive-drafting tree.", 1, 16, 1),
     "pd_depth": ("D: depth of the proactive-drafting tree, counting the root; at most the "
                  "window.", 1, 16, 1),
-    "verification_prediction": ("VP: guess codes whose probability kept rising. Lossless. "
-                                "'as mode' follows the sampler's mode (on in PAC+VP).",
+    "verification_prediction": ("VP: guess codes whose probability kept rising. Lossless.",
                                 None, None, None),
     "vp_rises": ("N: rises in a row that make verification prediction prefer a code.", 1, 64, 1),
     "vp_top_k": ("Verification prediction considers only the k most likely codes.", 1, 100_000,
@@ -75,22 +72,18 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
     "adaptive_shape": ("AUTO, cost-aware: each step picks the window or draft tree expected to "
                        "commit the most codes per second on this machine, from the speed and "
                        "acceptance it measured; the sampler's window is then the longest it may "
-                       "use. Lossless. 'as mode' follows the sampler's mode (on in AUTO).", None,
-                       None, None),
+                       "use. Lossless.", None, None, None),
     "adaptive_tree": ("AUTO with PD: try every tree up to K candidates and depth D, with fewer "
                       "candidates where guesses pass more often, and feed the one expected to "
-                      "pay most; off: only the full K x D tree. Lossless. 'as mode' follows the "
-                      "sampler's mode (off in every mode: on the reference model it did not "
-                      "pay).", None, None, None),
+                      "pay most; off: only the full K x D tree. Lossless.", None, None, None),
     "shape_cost": ("What AUTO saves: time = seconds on this machine (measured as it runs); "
                    "passes = forward passes, every shape of at most 'window' nodes counting as "
                    "one (for a GPU with room to spare: window and tree then share that node "
                    "budget). Lossless either way.", None, None, None),
     "compile": ("Run the network compiled, one graph per shape fed, at most 8 per run. On "
-                "CUDA it is recorded as CUDA graphs (about a second per shape; a 7B model's "
-                "step ran several times faster on an H200); elsewhere torch.compile's inductor "
-                "compiles it (tens of seconds or more per shape on the first run, then about "
-                "1.3x); auto's first image feeds each of its shapes once, so all of them "
+                "CUDA it is recorded as CUDA graphs (about a second per shape); elsewhere "
+                "torch.compile's inductor compiles it (tens of seconds or more per shape on the "
+                "first run); auto's first image feeds each of its shapes once, so all of them "
                 "compile there. 'on CUDA' (default): on for CUDA only. If compiling fails the "
                 "run goes on uncompiled with a warning in the summary. Lossless: the logits "
                 "differ from uncompiled ones only by float rounding, so a draw may flip on a long "
@@ -137,6 +130,14 @@ def preset_of(label: str) -> str:
         if mode_label(name) == label:
             return name
     raise ValueError(f"mode={quote(label)} is not allowed: pick one of {mode_choices()}.")
+
+
+def as_mode_note(name: str) -> str:
+    """What 'as mode' means for a switch: the modes whose preset turns it on."""
+    on = [mode_label(preset) for preset in PRESETS
+          if getattr(AccelerationSettings.preset(preset), name)]
+    where = f"on in {', '.join(on)}" if on else "off in every mode"
+    return f"'{AS_MODE}' follows the sampler's mode ({where})."
 
 
 def is_lossy(name: str) -> bool:
@@ -200,7 +201,8 @@ def field_widget(cls: type, name: str, switch: bool = False) -> tuple:
         return (list(typing.get_args(kind)), {"default": default, "tooltip": tooltip})
     if kind is bool:
         if switch:
-            return (list(SWITCH_CHOICES), {"default": AS_MODE, "tooltip": tooltip})
+            return (list(SWITCH_CHOICES), {"default": AS_MODE,
+                                           "tooltip": f"{tooltip} {as_mode_note(name)}"})
         return ("BOOLEAN", {"default": default, "tooltip": tooltip})
     options: dict = {"default": default, "tooltip": tooltip}
     if kind is int:
@@ -251,3 +253,20 @@ def switches() -> set[str]:
     hints = typing.get_type_hints(AccelerationSettings)
     return {f.name for f in fields(AccelerationSettings)
             if hints[f.name] is bool and f.name not in TOOL_ONLY}
+
+
+# option node key -> the AccelerationSettings fields its widgets set, in widget order; together
+# they are ``acceleration_option_fields()`` (a test checks it)
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "SJDDraftingOptions": ("init", "adaptive_continuation", "proactive_drafting",
+                           "pd_candidates", "pd_depth", "verification_prediction", "vp_rises",
+                           "vp_top_k", "vp_decay"),
+    "SJDLossyAcceptance": ("relaxed", "lantern_neighbours", "lantern_delta", "gsd_rank_radius",
+                           "gsd_prob_tolerance", "gsd_embedding_tolerance"),
+    "SJDSpeedOptions": ("adaptive_shape", "adaptive_tree", "shape_cost", "compile"),
+}
+
+
+def option_widgets(names: tuple[str, ...]) -> dict[str, tuple]:
+    """The widgets of these AccelerationSettings fields; on/off fields as 'as mode' combos."""
+    return {name: field_widget(AccelerationSettings, name, switch=True) for name in names}

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from comfyui_harness import REPO, ComfyServer, ui_to_api  # noqa: E402
-from sjd_core.tools.figures import font  # noqa: E402
+from sjd_core.figures import font  # noqa: E402
 
 TEMPLATES = REPO / "workflows"
 SIZE = 384

@@ -1,6 +1,7 @@
 """The house rules that imports can show: layers point one way and nothing imports in a circle.
 
-    nodes/, sjd_core/tools/  ->  sjd_core/decoding/  ->  sjd_core/models/protocol.py  <-  families
+    nodes/, sjd_core/tools/  ->  sjd_core/figures.py  ->  sjd_core/decoding/
+                             ->  sjd_core/models/protocol.py  <-  families
 
 Every ``import`` in every project module (at the top or inside a function) is read from the
 source, resolved to a project module, and checked against the layer rules; the whole graph must
@@ -65,7 +66,8 @@ def import_graph() -> dict[str, set[str]]:
 def layer(module: str) -> str:
     if module == "sjd_core.models.protocol":
         return "protocol"
-    for prefix, name in (("sjd_core.decoding", "core"), ("sjd_core.models", "models"),
+    for prefix, name in (("sjd_core.decoding", "core"), ("sjd_core.figures", "figures"),
+                         ("sjd_core.models", "models"),
                          ("sjd_core.tools", "tools"), ("nodes", "nodes")):
         if module == prefix or module.startswith(prefix + "."):
             return name
@@ -76,8 +78,9 @@ ALLOWED = {
     "protocol": {"package"},
     "core": {"core", "protocol", "package"},
     "models": {"models", "protocol", "package"},
-    "tools": {"tools", "core", "models", "protocol", "package"},
-    "nodes": {"nodes", "tools", "core", "models", "protocol", "package"},
+    "figures": {"core", "protocol", "package"},  # pictures of a trace, for nodes and tools
+    "tools": {"tools", "figures", "core", "models", "protocol", "package"},
+    "nodes": {"nodes", "tools", "figures", "core", "models", "protocol", "package"},
     "package": {"package"},  # sjd_core/__init__.py, messages.py, files.py, compiled.py, ...
 }
 
@@ -132,6 +135,7 @@ def test_cycle_finder_sees_a_cycle_and_the_layer_rule_sees_a_wrong_way_import():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert layer("sjd_core.models.chameleon") not in ALLOWED["core"]
     assert layer("sjd_core.tools.bench") not in ALLOWED["models"]
+    assert layer("sjd_core.figures") not in ALLOWED["core"]
 
 
 def test_the_family_table_is_explicit():
@@ -153,3 +157,57 @@ def test_importing_the_core_loads_no_family_tool_or_comfyui():
     stray = [m for m in loaded if m not in allowed and not m.startswith("sjd_core.decoding.")]
     assert "sjd_core.decoding.engine" in loaded
     assert not stray, f"importing the core loaded {stray}"
+
+
+def fast_test(file: Path) -> bool:
+    """Whether ``pytest -m "not slow"`` runs a test of ``file``: not marked slow as a whole, and
+    one ``test_`` function at least without the slow mark."""
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and "slow" in ast.unparse(node.value) and any(
+                getattr(target, "id", "") == "pytestmark" for target in node.targets):
+            return False
+    return any(isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+               and not any("slow" in ast.unparse(d) for d in node.decorator_list)
+               for node in tree.body)
+
+
+def reached_from(file: Path, modules: dict[str, Path], seen: set[Path]) -> set[str]:
+    """Project modules a test file imports: directly, through the test helpers it imports, by
+    importing the pack (every node), or by running ``python -m`` on one."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "import_pack":
+            names.add("nodes")
+        elif isinstance(node, ast.Constant) and node.value in modules:
+            names.add(node.value)
+    found = set()
+    for name in names:
+        name = name.removeprefix("sjd_pack.")
+        helper = ROOT / "tests" / f"{name}.py"
+        if helper.is_file() and helper not in seen:
+            seen.add(helper)
+            found |= reached_from(helper, modules, seen)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def test_the_fast_loop_reaches_every_module():
+    modules, graph = project_modules(), import_graph()
+    fast = [f for f in sorted((ROOT / "tests").glob("test_*.py")) if fast_test(f)]
+    assert len(fast) > 20 and not fast_test(ROOT / "tests" / "test_comfyui_server.py")
+    reached = set().union(*(reached_from(f, modules, {f}) for f in fast))
+    todo = list(reached)
+    while todo:
+        for module in graph[todo.pop()] - reached:
+            reached.add(module)
+            todo.append(module)
+    assert reached >= {"nodes.options", "sjd_core.decoding.engine", "sjd_core.tools.demo"}
+    assert sorted(set(modules) - reached) == [], "modules no fast test imports"

@@ -818,6 +818,7 @@ for mode in modes:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["reference", "lumina-mgpt"])
 def test_the_batch_check_estimates_the_peak_within_2x(family, tmp_path):
     """The batch check's estimate (the KV cache with guidance, mask, attention, activations,

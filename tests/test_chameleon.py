@@ -239,6 +239,7 @@ def test_negative_prompt_replaces_unconditional_text(lumina):
 GREEDY_SLOTS = 2 * WIDTH + 8  # two row ends crossed
 
 
+@pytest.mark.slow
 def test_greedy_codes_identical_to_ar(lumina):
     """Every lossless mode (family_checks.LOSSLESS_MODES) matches AR on the first rows."""
     forwards = fc.check_greedy_modes_agree(lumina, GenerationRequest(prompt="a red fox"), 3.0,
@@ -250,6 +251,7 @@ def test_greedy_codes_identical_to_ar(lumina):
 LONG_SLOTS = 12 * WIDTH  # 384 codes, twelve row ends
 
 
+@pytest.mark.slow
 def test_batch_rows_keep_their_streams_and_the_distribution_on_a_long_image(lumina):
     """Each row of a batch draws with seed + b's stream from the model's own logits: its codes
     agree with that seed alone until a ~1e-5 logit difference flips a draw, if one does."""

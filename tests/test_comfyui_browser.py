@@ -20,6 +20,9 @@ from browser_check import (BAD_PROMPT, PAGE_OVER_API, SCREEN, SCREENSHOTS,  # no
 from comfyui_current import CurrentComfyServer  # noqa: E402
 from comfyui_harness import ComfyServer  # noqa: E402
 
+# Real ComfyUI servers (and a browser): outside the fast loop, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 # name -> (server factory, Vue-nodes mode, check the template browser)
 SETUPS = {
     "comfyui-2024-canvas": (lambda: ComfyServer(), False, False),

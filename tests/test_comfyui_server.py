@@ -21,6 +21,9 @@ from comfyui_harness import REPO, ComfyServer, Listener, ui_to_api  # noqa: E402
 from test_nodes import (AR_VS_AUTO, FAMILY_TEMPLATES, TEXT_TO_IMAGE,  # noqa: E402
                         pack)  # the pack imported as a package, as ComfyUI does
 
+# A real ComfyUI server: outside the fast loop, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 WORKFLOWS = REPO / "workflows"
 OLD_WORKFLOWS = Path(__file__).resolve().parent / "old_workflows"
 REFERENCE_CODES = 16 * 16
@@ -154,10 +157,10 @@ def test_ar_and_auto_side_by_side(server, object_info):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in OLD_WORKFLOWS.glob("*.json")))
-def test_workflows_saved_with_the_first_release_still_run(server, object_info, name):
+def test_workflows_saved_with_old_nodes_still_run(server, object_info, name):
     prompt = ui_to_api(workflow(name, OLD_WORKFLOWS), object_info)
     entry = run(server, prompt)
-    samplers = nodes_of(prompt, "SJDSampler")
+    samplers = nodes_of(prompt, "SJDSampler") + nodes_of(prompt, "SJDSamplerV2")
     assert samplers and all(entry["outputs"][n]["sjd_summary"][0]["slots_per_image"]
                             == REFERENCE_CODES for n in samplers)
     for node in nodes_of(prompt, "SaveImage"):

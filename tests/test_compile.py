@@ -88,6 +88,7 @@ def run_and_replay_eagerly(model: SyntheticModel, mode: str, monkeypatch, batch:
     return compiled_run, eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, monkeypatch):
     compiled_run, eager = run_and_replay_eagerly(model, mode, monkeypatch, compile=True)
@@ -98,6 +99,7 @@ def test_compiled_codes_equal_eager_and_stay_within_the_shape_cap(model, mode, m
     assert "compile" not in eager.trace.meta
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("unchecked_draws")  # a compiled stage cannot read its weights back
 @pytest.mark.parametrize("mode, batch", [("pac+vp", 3), ("above_target+ac", 1)])
 def test_compiled_stages_draw_the_eager_codes(model, mode, batch):
@@ -374,6 +376,7 @@ def test_replayed_graphs_draw_the_eager_codes(model, replayed_graphs, monkeypatc
     assert report["recordings"] == report["compiled_shapes"] >= 1  # one graph per shape
 
 
+@pytest.mark.slow
 def test_a_compiled_batch_whose_rows_finish_apart_draws_the_eager_codes(model, monkeypatch):
     """Real inductor graphs: a batch of 3 in which rows finish at different iterations (the
     drafts of each row pass differently) runs its last forwards through the graph of symbolic
@@ -587,6 +590,7 @@ def test_captured_stage_shapes_past_the_cap_run_eagerly(replayed_graphs):
     assert len(replayed_graphs.recorded) == MAX_COMPILED_SHAPES
 
 
+@pytest.mark.slow
 def test_auto_does_not_time_the_iterations_in_which_the_network_compiled(monkeypatch):
     """Every tenth network call here compiles for half a second (as a new shape would, or a CUDA
     graph recorded again after the cache moved); ``auto``'s times stay those of the network

@@ -15,7 +15,7 @@ from sjd_core.models import movqgan
 from sjd_core.tools import bench, demo
 from sjd_core.tools.cli import ImageProgress, default_threads
 from sjd_core.tools.reference import benchmark
-from sjd_core.tools.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
+from sjd_core.figures import (GREY, UNITS, acceptance_figure, colour_bar, colourise,
                                    committed_together, heatmap, histogram_figure, image_grid,
                                    labelled_panel, rule_legend, rule_map)
 from sjd_core.decoding.drafting import ABOVE_TARGET_INIT, AC_KEPT, LEFT_INIT, UNIFORM_INIT
@@ -67,6 +67,7 @@ def test_demo_mode_ar_runs_ar_once(tmp_path, capsys, monkeypatch):
     assert "speed-up" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_compiled_is_held_to_the_faster_of_compiled_and_uncompiled_ar(tmp_path, capsys,
                                                                             monkeypatch):
     """With --compile both modes run compiled, and AR also runs uncompiled: the speed-up is
@@ -87,6 +88,7 @@ def test_demo_compiled_is_held_to_the_faster_of_compiled_and_uncompiled_ar(tmp_p
     assert report["speedup"] <= fastest / report["seconds"] + 1e-9
 
 
+@pytest.mark.slow
 def test_bench_compile_stages_adds_a_row_per_speculative_mode(monkeypatch, capsys):
     """Compiling is replaced by a pass-through here, to keep it fast."""
     import torch
@@ -100,6 +102,7 @@ def test_bench_compile_stages_adds_a_row_per_speculative_mode(monkeypatch, capsy
     assert "SJD + stages first compiled image: " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_windows_adds_fixed_windows_that_auto_is_held_to(monkeypatch, capsys):
     monkeypatch.setattr(bench, "transformers_generate", lambda *a: 1.0)
     records = bench.main(["--images", "1", "--modes", "AR,auto", "--threads", "1",
@@ -111,6 +114,7 @@ def test_bench_windows_adds_fixed_windows_that_auto_is_held_to(monkeypatch, caps
     assert f"auto / fastest fixed lossless mode ({fastest}): " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     demo.main(["--prompt", "bag", "--mode", "ar", "--out", str(tmp_path)])
     assert 1 <= default_threads() <= 4
@@ -211,6 +215,7 @@ def test_the_progress_bar_draws_at_most_every_refresh_and_always_the_end(capsys,
     assert "test: 100%" in capsys.readouterr().err.replace("\r", "\n")
 
 
+@pytest.mark.slow
 def test_benchmarks_show_a_progress_bar_per_image(capsys, tmp_path):
     records = bench.main(["--images", "2", "--modes", "AR", "--threads", "1",
                           "--json", str(tmp_path / "bench.json")])
@@ -346,6 +351,7 @@ def test_reference_benchmark_runs_the_rows_it_is_told_to_after_ar(capsys):
     assert "--modes='auto;turbo' is not allowed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, window", [("auto", 32), ("pac", 16)])
 def test_demo_window_0_is_the_modes_own(tmp_path, capsys, mode, window):
     demo.main(["--prompt", "bag", "--mode", mode, "--no-baseline", "--out", str(tmp_path),

@@ -18,8 +18,8 @@ from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.sjd_core.decoding.drafting import DRAFT_SOURCES  # noqa: E402
 from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
-from sjd_pack.sjd_core.tools import figures  # noqa: E402
-from sjd_pack.sjd_core.tools.figures import (SHEET_BOXES, SHEET_CAPTION,  # noqa: E402
+from sjd_pack.sjd_core import figures  # noqa: E402
+from sjd_pack.sjd_core.figures import (SHEET_BOXES, SHEET_CAPTION,  # noqa: E402
                                              SHEET_SPEED_UP, SHEET_TEXT, SHEET_WIDTH,
                                              SLOWER_COLOUR, SPEED_UP_COLOUR, diagnostics_sheet,
                                              shown_scale)

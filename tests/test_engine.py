@@ -100,6 +100,7 @@ COMBINATIONS = list(itertools.product([False, True], [False, True], [False, True
                                       ["none", "lantern", "gsd"], ["uniform", "left"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac,pd,vp,relaxed,init", COMBINATIONS)
 def test_every_combination_runs_and_commits_every_slot_once(model, ac, pd, vp, relaxed, init):
     settings = AccelerationSettings(window=6, adaptive_continuation=ac, proactive_drafting=pd,

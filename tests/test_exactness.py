@@ -211,6 +211,7 @@ def _kept_by_definition(units: torch.Tensor, top_p: float) -> torch.Tensor:
     return (more * units[..., None, :].long()).sum(-1) < math.ceil(top_p / MASS_UNIT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 12), (34, 512), (136, 512), (2, 3000)])
 def test_nucleus_floor_keeps_what_the_definition_keeps(rows, vocab):
     """Top-p's floor keeps exactly the codes the definition keeps, on distributions with many
@@ -247,6 +248,7 @@ def test_top_p_reads_what_top_k_kept():
 
 
 # ------------------------------------------------------------------ the distribution test
+@pytest.mark.slow
 def test_enumeration_is_a_distribution_with_spread_and_every_filter_matters(model, joint):
     assert abs(float(joint.sum()) - 1.0) < 1e-9
     assert int((joint * SAMPLES >= 5).sum()) >= 150  # many images are likely...
@@ -260,7 +262,8 @@ def test_enumeration_is_a_distribution_with_spread_and_every_filter_matters(mode
         assert float((changed - joint).abs().sum()) > 0.1, change
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [  # the fast loop tests plain SJD
+    pytest.param(name, marks=() if name == "sjd" else pytest.mark.slow) for name in MODES])
 def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
     value = p_value(model, joint, mode)
     print(f"\ndistribution test, {mode}: p = {value:.3g} ({SAMPLES} samples)")
@@ -275,6 +278,7 @@ def draws_unchecked_where_stages_compile(request, monkeypatch):
         monkeypatch.setattr("sjd_core.decoding.sampling.CHECK_DRAWS", False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [name for name in MODES if name.endswith(", compiled")])
 def test_the_compiled_modes_run_compiled(model, mode):
     """The distribution tests of the compiled modes test compiled networks and stages, not a
@@ -288,6 +292,7 @@ def test_the_compiled_modes_run_compiled(model, mode):
         assert report["failure"] is None and report["compiled_shapes"] >= 1, report
 
 
+@pytest.mark.slow
 def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):
     """``auto`` switches shapes between iterations (window length, tree on and off) with the
     drafts carried over; here every iteration picks one of its shapes at random, so each
@@ -301,6 +306,7 @@ def test_auto_is_exact_whatever_shapes_it_picks(model, joint, monkeypatch):
     assert value > PASS_P
 
 
+@pytest.mark.slow
 def test_the_peaky_regimes_reach_float32_s_resolution(model, peaky_joints):
     """Tails reach 1e-9 in both regimes, and at temperature 0.3 some targets leave less than
     1e-5 outside their likeliest code (so ``1 - q(x_1)`` in float32 is off by more than 0.6%):
@@ -314,6 +320,7 @@ def test_the_peaky_regimes_reach_float32_s_resolution(model, peaky_joints):
     assert outside["temperature 0.3, guidance 3"] < 1e-5, outside
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regime", list(PEAKY))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_lossless_modes_sample_peaky_targets(model, peaky_joints, regime, mode):
@@ -323,6 +330,7 @@ def test_lossless_modes_sample_peaky_targets(model, peaky_joints, regime, mode):
     assert value > PASS_P
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regime", list(PEAKY))
 def test_auto_is_exact_on_peaky_targets_whatever_shapes_it_picks(model, peaky_joints, regime,
                                                                  monkeypatch):
@@ -357,6 +365,7 @@ def scale_per_slot(monkeypatch) -> None:
     monkeypatch.setattr(guidance, "slot_scales", lambda settings, height, width: SLOT_SCALES)
 
 
+@pytest.mark.slow
 def test_the_scales_per_slot_change_the_joint(model, joint, scheduled_joint):
     assert abs(float(scheduled_joint.sum()) - 1.0) < 1e-9
     assert float((scheduled_joint - joint).abs().sum()) > 0.3
@@ -364,6 +373,7 @@ def test_the_scales_per_slot_change_the_joint(model, joint, scheduled_joint):
     assert float(scheduled_joint.max()) < 0.2  # ...and none dominates
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", SCHEDULED_MODES)
 def test_a_guidance_scale_per_slot_keeps_every_mode_exact(model, scheduled_joint, monkeypatch,
                                                           mode):
@@ -375,6 +385,7 @@ def test_a_guidance_scale_per_slot_keeps_every_mode_exact(model, scheduled_joint
     assert value > PASS_P
 
 
+@pytest.mark.slow
 def test_power_a_node_guided_with_its_own_slots_scale_is_rejected(model, scheduled_joint,
                                                                   monkeypatch):
     """The broken variant: a fed node's target (that of the slot after the node) made with the
@@ -646,6 +657,7 @@ BUGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_power_a_broken_variant_is_rejected(model, joint, monkeypatch, bug):
     """The exact code passes in the same mode (``test_lossless_modes_sample_the_model_distribution``)."""
@@ -676,6 +688,7 @@ class _LeftMassByCancellation(verify._Rejections):
 PEAKY_POWER_MODE = "sjd+ac+pd K4 D3, left init"
 
 
+@pytest.mark.slow
 def test_power_the_left_mass_by_cancellation_is_rejected_on_peaky_targets(model, peaky_joints,
                                                                          monkeypatch):
     """The exact code passes in the same mode and regime
@@ -693,6 +706,7 @@ def test_every_broken_variant_is_tested_in_a_tested_mode():
     assert len(BUGS) >= 10 and all(mode in MODES for _, mode in BUGS.values())
 
 
+@pytest.mark.slow
 def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
     """The broken tree rule equals the exact rule when there is no tree (K = 1), so its
     rejection above comes from the tree rule itself, not from a mistake in the replacement."""
@@ -702,6 +716,7 @@ def test_longest_row_verifier_is_exact_on_a_chain(model, joint, monkeypatch):
     assert value > PASS_P
 
 
+@pytest.mark.slow
 def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
     """The control of the uneven-tree power test: the same random uneven trees, built right."""
     feed_uneven_trees(monkeypatch)
@@ -710,6 +725,7 @@ def test_auto_feeding_only_uneven_trees_is_exact(model, joint, monkeypatch):
     assert value > PASS_P
 
 
+@pytest.mark.slow
 def test_loop_verifier_with_the_exact_rule_passes(model, joint, monkeypatch):
     """The replacement used for 'the last accepted child wins' is exact with take='first'."""
     monkeypatch.setattr(stages, "verify_tree", loop_verify_tree)

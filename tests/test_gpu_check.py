@@ -12,6 +12,7 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.usefixtures("unchecked_draws")
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     out = tmp_path / "table.json"
     assert gpu_check.main(["--tiny", "--warmup", "2", "--iterations", "3", "--profiled", "1",

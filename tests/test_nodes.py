@@ -21,7 +21,8 @@ from sjd_pack.nodes import comfy_bridge  # noqa: E402
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import REFERENCE  # noqa: E402
 from sjd_pack.nodes.generation import CHART_POINTS  # noqa: E402
-from sjd_pack.nodes.handles import SamplingChoice  # noqa: E402
+from sjd_pack.nodes.handles import AccelerationOptions, SamplingChoice  # noqa: E402
+from sjd_pack.nodes.widgets import OPTION_GROUPS, acceleration_option_fields  # noqa: E402
 from sjd_pack.nodes.widgets import OWN_WINDOW, default_mode  # noqa: E402
 from sjd_pack.sjd_core.decoding.settings import (DEFAULT_PRESET, PRESETS,  # noqa: E402
                                                  AccelerationSettings, SamplingSettings)
@@ -32,7 +33,8 @@ from sjd_pack.sjd_core.models.synthetic import SyntheticModel  # noqa: E402
 
 Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
 Sampler = pack.NODE_CLASS_MAPPINGS["SJDSamplerV2"]
-AccelerationOptions = pack.NODE_CLASS_MAPPINGS["SJDAccelerationOptions"]
+OldOptions = pack.NODE_CLASS_MAPPINGS["SJDAccelerationOptions"]
+OPTION_NODES = ("SJDDraftingOptions", "SJDLossyAcceptance", "SJDSpeedOptions")
 SamplingOptions = pack.NODE_CLASS_MAPPINGS["SJDSamplingOptions"]
 LegacySampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
 Decode = pack.NODE_CLASS_MAPPINGS["SJDDecode"]
@@ -63,9 +65,24 @@ def sample(model: LoadedModel, **changes):
     return Sampler().sample(model, **values, unique_id="7")["result"]
 
 
+def option_node(key: str, upstream: AccelerationOptions | None = None, **changes):
+    """The object one SJD option node sends with these widget values (the rest at defaults)."""
+    cls = pack.NODE_CLASS_MAPPINGS[key]
+    return cls().options(acceleration=upstream, **(widget_defaults(cls) | changes))[0]
+
+
 def acceleration(**changes):
-    """The object an SJD Acceleration Options node with these widget values sends."""
-    return AccelerationOptions().options(**(widget_defaults(AccelerationOptions) | changes))[0]
+    """The object the three SJD option nodes, chained, send with these widget values."""
+    chain = None
+    for key in OPTION_NODES:
+        chain = option_node(key, chain, **{name: value for name, value in changes.items()
+                                           if name in OPTION_GROUPS[key]})
+    return chain
+
+
+def old_acceleration(**changes):
+    """The object the old all-in-one SJD Acceleration Options node sends."""
+    return OldOptions().options(**(widget_defaults(OldOptions) | changes))[0]
 
 
 def sampling(**changes):
@@ -74,6 +91,7 @@ def sampling(**changes):
 
 # ---------------------------------------------------------------- the pack as ComfyUI sees it
 
+@pytest.mark.slow
 def test_pack_imports_without_comfyui():
     code = (f"import sys, importlib.util as u; s = u.spec_from_file_location('p', {str(REPO / '__init__.py')!r}, "
             f"submodule_search_locations=[{str(REPO)!r}]); m = u.module_from_spec(s); "
@@ -83,8 +101,10 @@ def test_pack_imports_without_comfyui():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['SJDAccelerationOptions',", "'SJDDecode',",
-                                  "'SJDDiagnostics',", "'SJDModelLoader',", "'SJDSampler',",
-                                  "'SJDSamplerV2',", "'SJDSamplingOptions']", "./web", "[]"]
+                                  "'SJDDiagnostics',", "'SJDDraftingOptions',",
+                                  "'SJDLossyAcceptance',", "'SJDModelLoader',", "'SJDSampler',",
+                                  "'SJDSamplerV2',", "'SJDSamplingOptions',",
+                                  "'SJDSpeedOptions']", "./web", "[]"]
     assert (REPO / "web" / "js" / "sjd_progress.js").is_file()
 
 
@@ -114,8 +134,9 @@ def test_sampler_has_few_widgets_and_modes_come_from_the_presets():
     assert "AUTO 32" in window["tooltip"] and "PAC+VP 16" in window["tooltip"]
     assert "AUTO" in inputs["required"]["mode"][1]["tooltip"]
     assert inputs["required"]["seed"][1]["control_after_generate"] is True
-    assert [spec[0] for spec in inputs["optional"].values()] == ["SJD_ACCELERATION",
-                                                                  "SJD_SAMPLING"]
+    assert {name: spec[0] for name, spec in inputs["optional"].items()} == {
+        "acceleration": "SJD_ACCELERATION", "sampling": "SJD_SAMPLING",
+        "drafting": "SJD_ACCELERATION", "lossy": "SJD_ACCELERATION", "speed": "SJD_ACCELERATION"}
 
 
 def test_every_size_a_family_offers_is_a_resolution_choice(tmp_path):
@@ -138,23 +159,32 @@ def test_every_size_a_family_offers_is_a_resolution_choice(tmp_path):
 
 def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
     fields = list(AccelerationSettings.__dataclass_fields__)
-    inputs = AccelerationOptions.INPUT_TYPES()["required"]
-    # compile is optional (below); compile_stages, not measured on a GPU yet, is for the tools
-    assert list(inputs) == [name for name in fields
-                            if name not in ("window", "compile", "compile_stages")]
-    lossy = [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
-    assert len(lossy) == 6
+    # compile_stages, not measured on a GPU yet, is for the tools; window sits on the sampler
+    assert acceleration_option_fields() == [name for name in fields
+                                            if name not in ("window", "compile_stages")]
+    groups = {key: list(pack.NODE_CLASS_MAPPINGS[key].INPUT_TYPES()["required"])
+              for key in OPTION_NODES}
+    assert sorted(sum(groups.values(), [])) == sorted(acceleration_option_fields())
+    assert all(len(names) <= 9 for names in groups.values()), groups
+    inputs = {name: spec for key in OPTION_NODES
+              for name, spec in pack.NODE_CLASS_MAPPINGS[key].INPUT_TYPES()["required"].items()}
+    lossy = groups["SJDLossyAcceptance"]
+    assert lossy == [n for n in inputs if n == "relaxed" or n.startswith(("lantern_", "gsd_"))]
+    assert "Lossy" in pack.NODE_DISPLAY_NAME_MAPPINGS["SJDLossyAcceptance"]
     assert all(inputs[n][1]["tooltip"].startswith("LOSSY") for n in lossy)
     assert not any("LOSSY" in spec[1]["tooltip"] for n, spec in inputs.items() if n not in lossy)
     for switch in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
                    "adaptive_shape"):
         assert inputs[switch][0] == ["as mode", "on", "off"]
+    assert inputs["proactive_drafting"][1]["tooltip"].endswith(
+        "'as mode' follows the sampler's mode (on in AUTO, PAC, PAC+VP).")
     assert inputs["init"][0] == ["uniform", "left", "above", "above_target"]
     for rule in ("above", "above_target"):
         assert rule in inputs["init"][1]["tooltip"]
     assert "codes per second on this machine" in inputs["adaptive_shape"][1]["tooltip"]
-    # the options node at its defaults changes nothing of a preset, LANTERN's k and delta included
+    # the option nodes at their defaults change nothing of a preset, LANTERN's k and delta included
     assert acceleration().settings("pac", None) == AccelerationSettings.preset("pac")
+    assert old_acceleration().settings("pac", None) == AccelerationSettings.preset("pac")
     sampling_inputs = SamplingOptions.INPUT_TYPES()
     assert [*sampling_inputs["required"], *sampling_inputs["optional"]] == [
         "recipe", *SamplingSettings.__dataclass_fields__]
@@ -166,17 +196,20 @@ def test_option_nodes_follow_the_settings_dataclasses_and_mark_lossy_knobs():
 
 
 def test_compile_is_an_optional_choice_on_for_cuda_that_saved_toggles_still_set():
-    (kind, options), = AccelerationOptions.INPUT_TYPES()["optional"].values()
-    assert list(AccelerationOptions.INPUT_TYPES()["optional"]) == ["compile"]
+    (kind, options), = OldOptions.INPUT_TYPES()["optional"].values()
+    assert list(OldOptions.INPUT_TYPES()["optional"]) == ["compile"]
     assert (kind, options["default"]) == (["on CUDA", "on", "off"], "on CUDA")
+    speed = pack.NODE_CLASS_MAPPINGS["SJDSpeedOptions"].INPUT_TYPES()["required"]["compile"]
+    assert speed == (kind, options)  # the old node shows the new node's widget
     assert "CUDA graphs" in options["tooltip"] and "Lossless" in options["tooltip"]
-    assert acceleration().settings("auto", None).compile is None  # saved before it existed
+    assert old_acceleration().settings("auto", None).compile is None  # saved before it existed
     for value, setting in (("on CUDA", None), ("on", True), ("off", False), (True, True),
                            (False, False)):  # True / False: saved while it was a toggle
-        assert AccelerationOptions.VALIDATE_INPUTS(compile=value) is True
-        assert acceleration(compile=value).settings("ar", None) == AccelerationSettings.preset(
-            "ar", compile=setting)
-    assert AccelerationOptions.VALIDATE_INPUTS(compile="always") == (
+        assert OldOptions.VALIDATE_INPUTS(compile=value) is True
+        assert old_acceleration(compile=value).settings("ar", None) == (
+            AccelerationSettings.preset("ar", compile=setting))
+    assert acceleration(compile="off").settings("ar", None).compile is False
+    assert OldOptions.VALIDATE_INPUTS(compile="always") == (
         "compile='always' is not allowed: compile must be one of ['on CUDA', 'on', 'off'] ("
         "'on CUDA': compiled on CUDA only).")
     default = AccelerationSettings()
@@ -186,7 +219,7 @@ def test_compile_is_an_optional_choice_on_for_cuda_that_saved_toggles_still_set(
 
 
 def test_lantern_knobs_can_stay_scaled_to_the_codebook():
-    inputs = AccelerationOptions.INPUT_TYPES()["required"]
+    inputs = pack.NODE_CLASS_MAPPINGS["SJDLossyAcceptance"].INPUT_TYPES()["required"]
     neighbours, delta = inputs["lantern_neighbours"], inputs["lantern_delta"]
     assert (neighbours[0], neighbours[1]["default"], neighbours[1]["min"]) == ("INT", 0, 0)
     assert (delta[0], delta[1]["default"], delta[1]["min"]) == ("FLOAT", -1.0, -1.0)
@@ -361,6 +394,7 @@ def test_settings_travel_as_objects(synthetic):
     assert torch.equal(first, sample(synthetic, prompt="p", seed=2, sampling=greedy)[0].codes)
 
 
+@pytest.mark.slow
 def test_without_sampling_options_the_family_recipe_is_used(reference):
     loaded = reference[0]
     recipe = loaded.model.defaults
@@ -449,6 +483,7 @@ def test_sampling_options_report_bad_values_on_their_own_node(changes, expected)
         assert part in str(error.value)
 
 
+@pytest.mark.slow
 def test_ui_payload_is_bounded_and_the_trace_goes_through_the_output():
     torch.manual_seed(0)
     big = LoadedModel(SyntheticModel(codebook_size=8, grid=(90, 90), width=16, sharpness=6.0),
@@ -494,6 +529,57 @@ def test_old_all_in_one_sampler_still_runs_and_matches_the_new_one(synthetic):
         LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(mode="AR", relaxed="gsd")))
     with pytest.raises(ValueError, match="sampling='best'"):
         LegacySampler().sample(synthetic, **(OLD_WIDGETS | dict(sampling="best")))
+
+
+def test_option_nodes_chain_or_take_inputs_of_their_own_alike(synthetic):
+    drafting = option_node("SJDDraftingOptions", verification_prediction="on", vp_rises=2)
+    speed = option_node("SJDSpeedOptions", shape_cost="passes")
+    chain = option_node("SJDSpeedOptions", drafting, shape_cost="passes")
+    assert chain == drafting.merged(speed) == AccelerationOptions(
+        drafting.overrides | speed.overrides)
+    chained = sample(synthetic, prompt="p", seed=2, mode="PAC", window=8, acceleration=chain)
+    separate = sample(synthetic, prompt="p", seed=2, mode="PAC", window=8, drafting=drafting,
+                      speed=speed)
+    assert chained[1].run.mode == separate[1].run.mode == "SJD+AC+PD+VP"
+    assert torch.equal(chained[0].codes, separate[0].codes)
+    with pytest.raises(ValueError) as error:
+        option_node("SJDDraftingOptions", drafting, vp_rises=5)
+    assert str(error.value) == ("SJD Drafting Options: acceleration: vp_rises is set twice, to 2 "
+                                "and to 5, by two SJD option nodes: set it on one of them only.")
+    with pytest.raises(ValueError) as error:
+        sample(synthetic, acceleration=option_node("SJDDraftingOptions", vp_rises=5),
+               drafting=drafting)
+    assert str(error.value).startswith("SJD Sampler: drafting: vp_rises is set twice, to 5 and")
+
+
+OLD_OPTIONS = Path(__file__).parent / "old_workflows" / "acceleration_options_non_default.json"
+
+
+def test_a_saved_acceleration_options_node_keeps_its_settings(synthetic):
+    """A workflow saved with the all-in-one options node: every widget off its default, the same
+    settings as the three new nodes given the same values, and the same run."""
+    assert OldOptions.DEPRECATED is True
+    graph = json.loads(OLD_OPTIONS.read_text())
+    (node,) = [n for n in graph["nodes"] if n["type"] == "SJDAccelerationOptions"]
+    saved = saved_widgets(node)
+    assert list(saved) == acceleration_option_fields()  # the saved order of widget values
+    defaults = widget_defaults(OldOptions) | {"compile": "on CUDA"}
+    assert all(saved[name] != defaults[name] for name in saved), saved
+    old = OldOptions().options(**saved)[0]
+    assert old == acceleration(**saved)
+    assert old.settings("sjd", 8) == AccelerationSettings.preset(
+        "sjd", window=8, init="left", adaptive_continuation=True, proactive_drafting=False,
+        pd_candidates=2, pd_depth=2, verification_prediction=True, vp_rises=2, vp_top_k=20,
+        vp_decay=0.25, relaxed="lantern", lantern_neighbours=5, lantern_delta=0.05,
+        gsd_rank_radius=4, gsd_prob_tolerance=0.2, gsd_embedding_tolerance=0.4,
+        adaptive_shape=False, adaptive_tree=True, shape_cost="passes", compile=False)
+    ran = sample(synthetic, prompt="p", seed=3, mode="SJD", window=8, acceleration=old)
+    groups = {key.removeprefix("SJD").removesuffix("Options").removesuffix("Acceptance").lower():
+              option_node(key, **{n: saved[n] for n in OPTION_GROUPS[key]})
+              for key in OPTION_NODES}
+    again = sample(synthetic, prompt="p", seed=3, mode="SJD", window=8, **groups)
+    assert ran[1].run.mode == again[1].run.mode == "SJD+AC+VP+LANTERN"
+    assert torch.equal(ran[0].codes, again[0].codes)
 
 
 def test_cancel_stops_within_one_step_and_the_model_still_works(synthetic, monkeypatch):
@@ -595,11 +681,24 @@ def test_templates_have_human_titles_thumbnails_and_the_new_sampler():
             assert origin in ids and target in ids, path.name
         types = {n["type"] for n in graph["nodes"]}
         assert types <= set(pack.NODE_CLASS_MAPPINGS) | {"SaveImage", "Note"}, path.name
-        assert "SJDSampler" not in types, f"{path.name} uses the old all-in-one sampler"
+        hidden = {key for key, cls in pack.NODE_CLASS_MAPPINGS.items()
+                  if getattr(cls, "DEPRECATED", False)}
+        assert hidden == {"SJDSampler", "SJDAccelerationOptions"}
+        assert not types & hidden, f"{path.name} uses an old node: {types & hidden}"
         for node in graph["nodes"]:
             if node["type"] in pack.NODE_CLASS_MAPPINGS:
                 names = widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]])
                 assert len(node["widgets_values"]) == len(names), (path.name, node["type"])
+
+
+def test_family_templates_show_the_speed_options_at_their_defaults():
+    for name in FAMILY_TEMPLATES:
+        graph = json.loads((TEMPLATES / f"{name}.json").read_text())
+        (speed,) = [n for n in graph["nodes"] if n["type"] == "SJDSpeedOptions"]
+        assert saved_widgets(speed) == widget_defaults(pack.NODE_CLASS_MAPPINGS["SJDSpeedOptions"])
+        (sampler,) = [n for n in graph["nodes"] if n["type"] == "SJDSamplerV2"]
+        (link,) = [link for link in graph["links"] if link[1] == speed["id"]]
+        assert (link[3], sampler["inputs"][link[4]]["name"]) == (sampler["id"], "speed")
 
 
 def test_template_category_is_named_after_the_pack():
@@ -630,12 +729,17 @@ def test_reference_templates_use_the_embedded_model_the_default_mode_and_upscale
     assert pair[0]["seed"] == pair[1]["seed"] and pair[0]["prompt"] == pair[1]["prompt"]
 
 
-def test_first_release_workflows_keep_their_sampler_layout():
+def test_saved_workflows_keep_their_old_nodes_layout():
+    counts = {"SJDSampler": 28, "SJDAccelerationOptions": 19}
+    seen = set()
     for path in sorted((Path(__file__).parent / "old_workflows").glob("*.json")):
         graph = json.loads(path.read_text())
         for node in graph["nodes"]:
-            if node["type"] == "SJDSampler":
-                assert len(node["widgets_values"]) == len(widget_names(LegacySampler)) == 28
+            if node["type"] in counts:
+                seen.add(node["type"])
+                names = widget_names(pack.NODE_CLASS_MAPPINGS[node["type"]])
+                assert len(node["widgets_values"]) == len(names) == counts[node["type"]]
+    assert seen == set(counts)
 
 
 def test_models_folder_comes_from_the_environment_outside_comfyui(tmp_path, monkeypatch):

@@ -61,6 +61,7 @@ def spread(folder):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["ar", "sjd", "pac", "pac+vp"])
 def test_disk_offloaded_model_runs_every_mode(spread, ar_codes, preset):
     assert torch.equal(first_codes(spread, preset), ar_codes)

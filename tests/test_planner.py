@@ -394,6 +394,7 @@ def test_largest_shape_counts_the_nodes_the_built_tree_has():
     assert largest_shape(AccelerationSettings(window=7)) == 7
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(compile=True), dict(compile_stages=True),
                                        dict(compile=True, window=256, pd_depth=4),
                                        dict(compile=True, window=6, shape_cost="passes")])

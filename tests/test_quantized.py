@@ -78,6 +78,7 @@ def test_logits_stay_close_to_the_unquantised_model(models, weights):
     assert 0.0 < error <= TOLERANCE[weights]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_every_lossless_mode_gives_ar_codes_on_the_quantised_model(llamagen_dir, weights):
     """Computing in float32 (the CPU default), so that a window and single steps round alike."""

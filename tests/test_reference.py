@@ -33,6 +33,7 @@ def shipped() -> ReferenceModel:
     return load_model(WEIGHTS_DIR, device="cpu")
 
 
+@pytest.mark.slow
 def test_tiny_training_writes_a_loadable_checkpoint_reproducibly(tiny_folder, tmp_path):
     names = {p.name for p in tiny_folder.iterdir()}
     assert {"config.json", "model.safetensors", "codebook.safetensors", "reference.json",
@@ -110,6 +111,7 @@ GREEDY_REQUEST = GenerationRequest(prompt="", batch_size=2, extra={"prompts": ["
 GREEDY_SLOTS = 5 * 16  # the first five rows of the 16 x 16 grid, where the garments start
 
 
+@pytest.mark.slow
 def test_greedy_codes_equal_ar_in_lossless_modes(shipped):
     with torch.inference_mode():
         forwards = fc.check_greedy_modes_agree(shipped, GREEDY_REQUEST, 2.0, slots=GREEDY_SLOTS)
@@ -128,6 +130,7 @@ def test_probe_statistics():
     assert energy_test(a, shifted, permutations=200)[1] < 0.01
 
 
+@pytest.mark.slow
 def test_shipped_probe_reads_generated_images(shipped):
     probe = QualityProbe(WEIGHTS_DIR)
     with torch.inference_mode():

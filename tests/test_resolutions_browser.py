@@ -28,6 +28,9 @@ from browser_check import TEXT_TO_IMAGE, load, node_of, open_page, show_node  # 
 from comfyui_harness import PACK_DIR_NAME, ComfyServer  # noqa: E402
 from sjd_core.models.registry import resolutions_on_disk  # noqa: E402
 
+# Real ComfyUI servers (and a browser): outside the fast loop, `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SAMPLERS = ("SJDSamplerV2", "SJDSampler")
 MODEL = "Lumina-mGPT-7B-512"
 OPTIONS = ("() => window.sjdSamplers.map((s) => s.widgets.find((w) => w.name === 'resolution')"

@@ -44,6 +44,7 @@ def ask(server: ComfyServer, model: str | None) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
+@pytest.mark.slow
 def test_sizes_of_each_checkpoint_from_its_config(server):
     status, body = ask(server, "Lumina-mGPT-7B-512")
     assert status == 200 and body["family"] == "lumina-mgpt"

@@ -55,6 +55,7 @@ def model() -> SyntheticModel:
                           sharpness=2.0, seed=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["draft", "verify", "commit", "advance", "conclude"])
 def test_each_stage_traces_as_one_graph_and_gives_the_engines_result(model, mode, name,

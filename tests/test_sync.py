@@ -123,6 +123,7 @@ def rows_left_early(waits: Waits, slots: int) -> bool:
     return any(min(row) < max(row) == slots for row in waits.committed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("mode", ["ar", "sjd", "pac+vp", "auto"])
 def test_an_iteration_waits_for_the_device_at_most_once(model, mode, batch, monkeypatch):
@@ -146,6 +147,7 @@ def test_an_iteration_waits_for_the_device_at_most_once(model, mode, batch, monk
             assert measured[step][0] <= most[0] and measured[step][1] <= most[1], (step, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sjd", "pac+vp"])
 def test_relaxed_acceptance_waits_as_the_lossless_modes(model, mode, monkeypatch):
     """GSD's relaxed test reads nothing more back than the exact one."""

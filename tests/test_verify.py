@@ -235,6 +235,7 @@ def _half_precision_logits(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor,
     return p, q
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,candidates", [(torch.bfloat16, 2), (torch.float16, 3),
                                               (torch.bfloat16, 4)])
 def test_half_precision_logits_over_16384_codes_stay_exact(dtype, candidates):

@@ -2,5 +2,5 @@
 
 Pure torch. It sees a model only through :mod:`sjd_core.models.protocol`; it never imports a
 model family, a tool or ComfyUI. The rules it implements, with their proofs, are written down in
-``sjd_core/decoding/ALGORITHMS.md`` (beside this file).
+``docs/algorithms.md``.
 """

@@ -2,7 +2,7 @@
 
 The window holds, for offsets ``j = 0 .. W-1`` after the committed prefix, a draft token and the
 distribution ``q_j`` it was really drawn from. The verifier tests drafts against ``q_j``; keeping
-that pairing honest is what makes every mode here exact (``sjd_core/decoding/ALGORITHMS.md``,
+that pairing honest is what makes every mode here exact (``docs/algorithms.md``,
 section 2, the exactness lemma). An iteration may feed only the first ``L <= W`` offsets; the
 others keep their drafts. All functions work on whole (B, W, V) tensors: no loop over slots, no
 device reads.
@@ -100,51 +100,12 @@ class DraftTree:
                              "than at the one before, and fewer levels than the window")
         levels = len(profile)
         branching = max(profile, default=1)
-        parent, depth, source = [-1], [0], [0]
-        children: list[list[int]] = [[]]
-        level_nodes = [0]
-        main = [0]
-        for d in range(1, window):
-            new_level = []
-            parents = level_nodes if d <= levels else [main[-1]]
-            for p in parents:
-                for rank in range(profile[d - 1] if d <= levels else 1):
-                    node = len(parent)
-                    parent.append(p)
-                    depth.append(d)
-                    # a first candidate is the window's draft; the others follow the window
-                    source.append(d - 1 if rank == 0
-                                  else window + (d - 1) * (branching - 1) + rank - 1)
-                    children.append([])
-                    children[p].append(node)
-                    new_level.append(node)
-            level_nodes = new_level
-            main.append(children[main[-1]][0])
+        parent, depth, source, children = _main_path_first(window, *_grow(window, profile))
         size = len(parent)
-        # the main path first, then the rest breadth-first: an accepted path along the main
-        # path is then already in place in the cache, and others differ only inside the tree
-        order = main + [node for node in range(size) if node not in set(main)]
-        new_id = np.empty(size, dtype=np.int64)
-        new_id[order] = np.arange(size)
-        parent = [-1 if parent[node] < 0 else int(new_id[parent[node]]) for node in order]
-        depth, source = [depth[node] for node in order], [source[node] for node in order]
-        children = [[int(new_id[kid]) for kid in children[node]] for node in order]
-        main = list(range(window))
         child_table = np.full((size, branching), -1, dtype=np.int64)
         for node, kids in enumerate(children):
             child_table[node, : len(kids)] = kids
-        ancestors = np.zeros((size, size), dtype=bool)
-        route = np.zeros((size, window), dtype=np.int64)
-        for node in range(size):
-            walk = node
-            while walk >= 0:
-                ancestors[node, walk] = True
-                route[node, depth[walk]] = walk
-                walk = parent[walk]
-            below = node
-            for d in range(depth[node] + 1, window):
-                below = children[below][0] if children[below] else main[d]
-                route[node, d] = below
+        ancestors, route = _ancestors_and_routes(window, parent, depth, children)
         inner = [node for node in range(size) if depth[node] < levels]
         inner_index = np.full(size, -1, dtype=np.int64)
         inner_index[inner] = np.arange(len(inner))
@@ -159,6 +120,69 @@ class DraftTree:
                          tables["source"], tables["child_table"], tables["ancestors"], ancestors,
                          tables["route"], tables["inner"], tables["inner_index"],
                          tables["offsets"])
+
+
+def _grow(window: int, profile: tuple[int, ...]) -> tuple[list[int], list[int], list[int],
+                                                          list[list[int]], list[int]]:
+    """The tree level by level (parent, depth, window source, children), and its main path of
+    first candidates; past the profile's levels only the main path's chain continues."""
+    levels, branching = len(profile), max(profile, default=1)
+    parent, depth, source = [-1], [0], [0]
+    children: list[list[int]] = [[]]
+    level_nodes = [0]
+    main = [0]
+    for d in range(1, window):
+        new_level = []
+        parents = level_nodes if d <= levels else [main[-1]]
+        for p in parents:
+            for rank in range(profile[d - 1] if d <= levels else 1):
+                node = len(parent)
+                parent.append(p)
+                depth.append(d)
+                # a first candidate is the window's draft; the others follow the window
+                source.append(d - 1 if rank == 0
+                              else window + (d - 1) * (branching - 1) + rank - 1)
+                children.append([])
+                children[p].append(node)
+                new_level.append(node)
+        level_nodes = new_level
+        main.append(children[main[-1]][0])
+    return parent, depth, source, children, main
+
+
+def _main_path_first(window: int, parent: list[int], depth: list[int], source: list[int],
+                     children: list[list[int]], main: list[int]
+                     ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """The nodes renumbered with the main path first, then the rest breadth-first: an accepted
+    path along the main path is then already in place in the cache, and others differ only
+    inside the tree. The main path becomes nodes 0 .. window - 1."""
+    size = len(parent)
+    on_main = set(main)
+    order = main + [node for node in range(size) if node not in on_main]
+    new_id = np.empty(size, dtype=np.int64)
+    new_id[order] = np.arange(size)
+    return ([-1 if parent[node] < 0 else int(new_id[parent[node]]) for node in order],
+            [depth[node] for node in order], [source[node] for node in order],
+            [[int(new_id[kid]) for kid in children[node]] for node in order])
+
+
+def _ancestors_and_routes(window: int, parent: list[int], depth: list[int],
+                          children: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's ancestors (and itself) as a (T, T) table, and its route (see ``build``)."""
+    size = len(parent)
+    ancestors = np.zeros((size, size), dtype=bool)
+    route = np.zeros((size, window), dtype=np.int64)
+    for node in range(size):
+        walk = node
+        while walk >= 0:
+            ancestors[node, walk] = True
+            route[node, depth[walk]] = walk
+            walk = parent[walk]
+        below = node
+        for d in range(depth[node] + 1, window):
+            below = children[below][0] if children[below] else d  # main path: node d
+            route[node, d] = below
+    return ancestors, route
 
 
 # How the draft of a slot was made (recorded per committed slot in the trace).

@@ -4,7 +4,7 @@ A schedule gives each slot of the grid its own scale, a function of the slot's p
 (never of a sampled code). The target of a slot is then still a fixed function of the codes
 before it and of its position, which is all the exactness of speculative decoding needs: every
 mode verifies a slot against the target plain autoregression samples there, whichever forward
-computes it (``ALGORITHMS.md``, section 1, "Guidance schedules"). The engine turns the scales
+computes it (``docs/algorithms.md``, section 1, "Guidance schedules"). The engine turns the scales
 into one table per generation (:class:`SlotGuidance`) and looks up the slots of every fed node
 in it, so a window, a draft tree and every batch row get the scale of their own slots.
 

@@ -218,6 +218,11 @@ class AccelerationSettings:
                  self.lantern_delta, "in [0, 1], or None (scaled to the codebook)")
         require(isinstance(self.gsd_rank_radius, int) and self.gsd_rank_radius >= 0,
                  "gsd_rank_radius", self.gsd_rank_radius, "an integer >= 0")
+        self._check_speculative()
+        self._check_limits()
+
+    def _check_speculative(self) -> None:
+        """What needs drafts needs a window above 1, and a PD tree fits inside the window."""
         speculative = self.window > 1
         for name in ("adaptive_continuation", "proactive_drafting", "verification_prediction",
                      "adaptive_shape"):
@@ -230,7 +235,6 @@ class AccelerationSettings:
                      f"<= window ({self.window}); the tree lives inside the window")
             require(self.pd_depth >= 2, "pd_depth", self.pd_depth,
                      ">= 2 with proactive drafting (depth counts the root)")
-        self._check_limits()
 
     def _check_limits(self) -> None:
         """The upper limits (``MAX_*``), and switches and counts of the right Python type."""

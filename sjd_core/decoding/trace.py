@@ -368,33 +368,7 @@ class Trace:
         Every array must have the shape the meta's grid, batch and the iteration count give,
         every row must commit each slot of its grid exactly once, and codes must be known ones.
         """
-        meta = self.meta
-
-        def positive(name: str, value: object) -> int:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"trace: meta {name}={quote(value)} is not allowed: it must be a "
-                                 "positive integer.")
-            return value
-
-        grid = meta.get("grid")
-        if not isinstance(grid, (list, tuple)) or len(grid) != 2:
-            raise ValueError(f"trace: meta grid={quote(grid)} is not allowed: it must be [height, "
-                             "width] in code slots.")
-        height, width = positive("grid height", grid[0]), positive("grid width", grid[1])
-        batch = positive("batch", meta.get("batch"))
-        positive("window", meta.get("window", 1))
-        if not isinstance(meta.get("run_id"), str):
-            raise ValueError(f"trace: meta run_id={quote(meta.get('run_id'))} is not allowed: it "
-                             "must be the string the sampler wrote.")
-        for name, kind, allowed in (("warnings", list, "a list of strings"),
-                                    ("vp_rises", dict, "an object"), ("mode", str, "a string")):
-            if name in meta and not isinstance(meta[name], kind):
-                raise ValueError(f"trace: meta {name}={quote(meta[name])} is not allowed: it must "
-                                 f"be {allowed}.")
-        shapes = meta.get("shapes", [])
-        if not isinstance(shapes, list) or not all(isinstance(x, str) for x in shapes):
-            raise ValueError(f"trace: meta shapes={quote(shapes)} is not allowed: it must be a "
-                             "list of strings.")
+        height, width, batch, shapes = _checked_meta(self.meta)
         iterations = self.committed_per_iteration.shape[0]
         expected = {"committed_per_iteration": (iterations, batch),
                     "forward_seconds": (iterations,), "other_seconds": (iterations,),
@@ -412,8 +386,12 @@ class Trace:
             raise ValueError(f"trace: committed_per_iteration sums to {committed.sum(0).tolist()} "
                              f"slots per image, not {height * width} (grid {height}x{width}): "
                              "the trace does not belong to its meta.")
+        self._check_values(len(shapes), iterations)
+
+    def _check_values(self, shapes: int, iterations: int) -> None:
+        """Indices within their tables, probabilities in [0, 1], seconds finite and >= 0."""
         checks = (
-            ("shape_per_iteration", self.shape_per_iteration, 0, len(shapes) - 1),
+            ("shape_per_iteration", self.shape_per_iteration, 0, shapes - 1),
             ("commit_iteration", self.commit_iteration, 0, iterations - 1),
             ("iterations_in_window", self.iterations_in_window, 1, iterations),
             ("commit_kind", self.commit_kind, min(COMMIT_KINDS), max(COMMIT_KINDS)),
@@ -431,6 +409,38 @@ class Trace:
             raise ValueError("trace: acceptance probabilities must lie in [0, 1] and seconds must "
                              "be finite and >= 0: the trace was edited or is damaged; run the "
                              "sampler again for a new trace.")
+
+
+def _positive(name: str, value: object) -> int:
+    """``value`` if it is a positive integer; ValueError naming the meta entry otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"trace: meta {name}={quote(value)} is not allowed: it must be a "
+                         "positive integer.")
+    return value
+
+
+def _checked_meta(meta: dict) -> tuple[int, int, int, list[str]]:
+    """A trace meta's grid height and width, batch and shape labels, each checked."""
+    grid = meta.get("grid")
+    if not isinstance(grid, (list, tuple)) or len(grid) != 2:
+        raise ValueError(f"trace: meta grid={quote(grid)} is not allowed: it must be [height, "
+                         "width] in code slots.")
+    height, width = _positive("grid height", grid[0]), _positive("grid width", grid[1])
+    batch = _positive("batch", meta.get("batch"))
+    _positive("window", meta.get("window", 1))
+    if not isinstance(meta.get("run_id"), str):
+        raise ValueError(f"trace: meta run_id={quote(meta.get('run_id'))} is not allowed: it "
+                         "must be the string the sampler wrote.")
+    for name, kind, allowed in (("warnings", list, "a list of strings"),
+                                ("vp_rises", dict, "an object"), ("mode", str, "a string")):
+        if name in meta and not isinstance(meta[name], kind):
+            raise ValueError(f"trace: meta {name}={quote(meta[name])} is not allowed: it must "
+                             f"be {allowed}.")
+    shapes = meta.get("shapes", [])
+    if not isinstance(shapes, list) or not all(isinstance(x, str) for x in shapes):
+        raise ValueError(f"trace: meta shapes={quote(shapes)} is not allowed: it must be a "
+                         "list of strings.")
+    return height, width, batch, shapes
 
 
 _FLOAT_ARRAYS = {"forward_seconds": np.float64, "other_seconds": np.float64,

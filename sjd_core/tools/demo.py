@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,9 +139,36 @@ def run(args: argparse.Namespace) -> dict:
         return _run(args)
 
 
-def _run(args: argparse.Namespace) -> dict:
+@dataclass
+class Runs:
+    """What the demo compares and what it measured: seconds and forward passes per run kind."""
+
+    fast: AccelerationSettings
+    baseline: AccelerationSettings
+    compare: bool  # also run AR (not when the mode is AR itself or --no-baseline)
+    eager_baseline: AccelerationSettings | None  # uncompiled AR, when the modes run compiled
+    outside: bool  # also time transformers' generate() (the reference model)
+    totals: dict[str, list[float]] = field(default_factory=lambda: {
+        "fast": [0.0, 0.0], "ar": [0.0, 0.0], "ar_eager": [0.0, 0.0], "generate": [0.0, 0.0]})
+
+
+def _runs(args: argparse.Namespace, model: ImageTokenModel, compiled_on: str) -> Runs:
+    """The accelerated mode asked for, its AR baseline and which comparisons to make."""
     from dataclasses import replace
 
+    compile_setting = True if args.compile else None  # None: compiled on CUDA only
+    fast = AccelerationSettings.preset(args.mode, compile=compile_setting)
+    if fast.window > 1 and args.window != 0:
+        fast = AccelerationSettings.preset(args.mode, window=args.window, compile=compile_setting)
+    baseline = AccelerationSettings.preset("ar", compile=compile_setting)
+    compare = not args.no_baseline and fast != baseline
+    compiled = fast.compiles_on(compiled_on)
+    return Runs(fast, baseline, compare,
+                replace(baseline, compile=False) if compare and compiled else None,
+                compare and getattr(model, "family", "") == "reference")
+
+
+def _run(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
@@ -148,69 +176,81 @@ def _run(args: argparse.Namespace) -> dict:
     from ..models.protocol import GenerationRequest
     from ..models.reference import WEIGHTS_DIR
     from ..models.registry import load_model
-    from .figures import acceptance_figure, image_grid
 
     threads = set_threads(args.threads)
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
     model = load_model(args.model or WEIGHTS_DIR, device=args.device)
     sampling = sampling_settings(model, args)
-    compile_setting = True if args.compile else None  # None: compiled on CUDA only
-    fast = AccelerationSettings.preset(args.mode, compile=compile_setting)
-    if fast.window > 1 and args.window != 0:
-        fast = AccelerationSettings.preset(args.mode, window=args.window, compile=compile_setting)
-    baseline = AccelerationSettings.preset("ar", compile=compile_setting)
-    compare = not args.no_baseline and fast != baseline
+    device = torch.device(model.device).type
+    runs = _runs(args, model, device)
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
     # Warm-up (one-time allocations, lazy initialisation, compiling the batch's shapes) so no
     # timed run pays for it.
-    compiled = fast.compiles_on(torch.device(model.device).type)
+    compiled = runs.fast.compiles_on(device)
     warm_up = requests[0] if compiled else GenerationRequest(prompt=args.prompt[0],
                                                              guidance=sampling.guidance)
-    for warmed in [fast] + ([baseline] if compare and compiled else []):
+    for warmed in [runs.fast] + ([runs.baseline] if runs.eager_baseline is not None else []):
         generate(model, warm_up, sampling, warmed, args.seed)
-
     images, first = [], None
-    totals = {"fast": [0.0, 0.0], "ar": [0.0, 0.0], "ar_eager": [0.0, 0.0],
-              "generate": [0.0, 0.0]}  # seconds, passes
-    eager_baseline = replace(baseline, compile=False) if compare and compiled else None
-    outside = compare and getattr(model, "family", "") == "reference"  # time generate() too
     for request in requests:
-        result, seconds = timed(model, request, sampling, fast, args.seed)
-        totals["fast"][0] += seconds
-        totals["fast"][1] += result.trace.summary()["iterations"]
+        result = _time_request(model, request, sampling, args, runs)
         decoded = model.decode(result.codes).float().cpu().numpy()
         images.append(decoded)
-        if first is None:
-            first = (result, decoded[0])
-        if compare:
-            reference, seconds = timed(model, request, sampling, baseline, args.seed)
-            totals["ar"][0] += seconds
-            totals["ar"][1] += reference.trace.summary()["iterations"]
-        if eager_baseline is not None:  # compiled AR is not the only baseline: the faster one is
-            totals["ar_eager"][0] += timed(model, request, sampling, eager_baseline, args.seed)[1]
-        if outside:
-            from .bench import transformers_generate
+        first = first or (result, decoded[0])
+    image_path, heatmap_path = _write_pictures(args, np.concatenate(images), *first)
+    report = _report(runs, first[0], f"{len(requests)} batch(es) of {args.batch}", sampling)
+    report.update(image=str(image_path), heatmap=str(heatmap_path))
+    print(f"wrote {image_path} and {heatmap_path}")
+    return report
 
-            totals["generate"][0] += transformers_generate(model, request.prompt, args.batch,
-                                                           sampling, args.seed)
+
+def _time_request(model: ImageTokenModel, request: GenerationRequest,
+                  sampling: SamplingSettings, args: argparse.Namespace,
+                  runs: Runs) -> GenerationResult:
+    """Run one request in the accelerated mode and in each baseline, adding up their times."""
+    totals = runs.totals
+    result, seconds = timed(model, request, sampling, runs.fast, args.seed)
+    totals["fast"][0] += seconds
+    totals["fast"][1] += result.trace.summary()["iterations"]
+    if runs.compare:
+        reference, seconds = timed(model, request, sampling, runs.baseline, args.seed)
+        totals["ar"][0] += seconds
+        totals["ar"][1] += reference.trace.summary()["iterations"]
+    if runs.eager_baseline is not None:  # compiled AR is not the only baseline: the faster one is
+        totals["ar_eager"][0] += timed(model, request, sampling, runs.eager_baseline,
+                                       args.seed)[1]
+    if runs.outside:
+        from .bench import transformers_generate
+
+        totals["generate"][0] += transformers_generate(model, request.prompt, args.batch,
+                                                       sampling, args.seed)
+    return result
+
+
+def _write_pictures(args: argparse.Namespace, grid: object, result: GenerationResult,
+                    image: object) -> tuple[Path, Path]:
+    """The images as one grid and the first image's acceptance heatmaps, as two PNGs."""
+    from ..figures import acceptance_figure, image_grid
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.name or (slug(args.prompt[0]) if len(args.prompt) == 1 else "samples")
-    grid = np.concatenate(images)
     scale = args.scale or max(1, PREVIEW_PIXELS // max(grid.shape[1:3]))
     image_path, heatmap_path = out / f"{name}.png", out / f"{name}_heatmap.png"
     image_grid(grid, columns=args.batch, scale=scale).save(image_path)
-    result, image = first
     acceptance_figure(result.trace.slot_maps(), image, row=0,
                       cell=max(2, PREVIEW_PIXELS // result.codes.shape[2])).save(heatmap_path)
+    return image_path, heatmap_path
 
+
+def _report(runs: Runs, result: GenerationResult, batches: str,
+            sampling: SamplingSettings) -> dict:
+    """Print the runs and the speed-up against the fastest baseline; returns the numbers."""
+    totals, fast = runs.totals, runs.fast
     summary = result.trace.summary()
-    report = {"image": str(image_path), "heatmap": str(heatmap_path), "mode": fast.mode_name,
-              "seconds": totals["fast"][0], "nfe": totals["fast"][1],
+    report = {"mode": fast.mode_name, "seconds": totals["fast"][0], "nfe": totals["fast"][1],
               "step_compression": summary["step_compression"]}
-    batches = f"{len(requests)} batch(es) of {args.batch}"
     print(f"{fast.mode_name}: {totals['fast'][1]:.0f} forward passes, {totals['fast'][0]:.2f} s "
           f"for {batches} image(s) of {summary['slots_per_image']} codes "
           f"(window {fast.window}, {sampling})")
@@ -222,24 +262,23 @@ def _run(args: argparse.Namespace) -> dict:
         print("  steps by shape (first image): " + shape_counts_text(summary["shapes"]))
     if summary["auto_choice"]:
         print(f"  fed {summary['auto_choice']} (first image)")
-    if compare:
-        baseline_seconds = totals["ar"][0]
-        print(f"AR: {totals['ar'][1]:.0f} forward passes, {totals['ar'][0]:.2f} s, same prompts "
-              f"and seeds")
-        if eager_baseline is not None:
-            baseline_seconds = min(baseline_seconds, totals["ar_eager"][0])
-            print(f"AR uncompiled: {totals['ar_eager'][0]:.2f} s")
-        if outside:
-            baseline_seconds = min(baseline_seconds, totals["generate"][0])
-            print(f"transformers generate() (same target distribution): "
-                  f"{totals['generate'][0]:.2f} s")
-        report.update(ar_seconds=totals["ar"][0], ar_nfe=totals["ar"][1],
-                      speedup=baseline_seconds / totals["fast"][0])
-        if eager_baseline is not None:
-            report["ar_eager_seconds"] = totals["ar_eager"][0]
-        print(f"speed-up over AR: {report['speedup']:.2f}x wall-clock (against the faster AR), "
-              f"{totals['ar'][1] / totals['fast'][1]:.2f}x fewer forward passes")
-    print(f"wrote {image_path} and {heatmap_path}")
+    if not runs.compare:
+        return report
+    baseline_seconds = totals["ar"][0]
+    print(f"AR: {totals['ar'][1]:.0f} forward passes, {totals['ar'][0]:.2f} s, same prompts "
+          f"and seeds")
+    if runs.eager_baseline is not None:
+        baseline_seconds = min(baseline_seconds, totals["ar_eager"][0])
+        report["ar_eager_seconds"] = totals["ar_eager"][0]
+        print(f"AR uncompiled: {totals['ar_eager'][0]:.2f} s")
+    if runs.outside:
+        baseline_seconds = min(baseline_seconds, totals["generate"][0])
+        print(f"transformers generate() (same target distribution): "
+              f"{totals['generate'][0]:.2f} s")
+    report.update(ar_seconds=totals["ar"][0], ar_nfe=totals["ar"][1],
+                  speedup=baseline_seconds / totals["fast"][0])
+    print(f"speed-up over AR: {report['speedup']:.2f}x wall-clock (against the faster AR), "
+          f"{totals['ar'][1] / totals['fast'][1]:.2f}x fewer forward passes")
     return report
 
 

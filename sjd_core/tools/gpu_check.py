@@ -383,7 +383,31 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _run_rows(r: dict) -> list[str]:
+    """One mode's row of the runs table, and a warning row for each compiling that failed."""
+    name = run_name(r)
+    if "error" in r:
+        return [f"| {name} | failed: {r['error'][:200]} |"]
+    network = r["network"] or {}
+    stage_graphs = r["stage_graphs"] or {}
+    graphs = "-" if not network else (f"{network['compiled_shapes']} "
+                                      f"(+{network['eager_shapes']} eager)")
+    graphs += f"; stages {stage_graphs['graphs']}" if stage_graphs else ""
+    same = "-"
+    if "codes_compared" in r:
+        same = (f"same {r['codes_compared']}" if r["first_difference"] is None
+                else f"differ from slot {r['first_difference']} of {r['codes_compared']}")
+    rows = [f"| {name} | {_ms(r['ms_per_iteration'])} | {_ms(r['host_ms_per_iteration'])} "
+            f"| {_ms(r['busy_ms_per_iteration'])} | {r['codes_per_iteration']:.2f} | "
+            f"{r['reads_per_iteration']:.2f} | {r['blocking_copies_per_iteration']:.2f} | "
+            f"{r['warmup_seconds']:.1f} | {graphs} | {same} |"]
+    rows += [f"|  | warning: {failure} |"
+             for failure in (network.get("failure"), stage_graphs.get("failure")) if failure]
+    return rows
+
+
 def format_table(table: dict) -> str:
+    """The check's report: the forwards table, the modes table and each mode's speed."""
     lines = [f"model: {table['model']} (built in {table['build_seconds']:.1f} s)", "",
              "| forward | cache | host ms | device busy ms |", "| --- | --- | ---: | ---: |"]
     lines += [f"| {f['nodes']} | {f['cache']} ({f['cached_codes']} codes) | {_ms(f['host_ms'])} | "
@@ -394,26 +418,7 @@ def format_table(table: dict) -> str:
                       "reads | blocking copies | s to first measured | graphs | codes as eager |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in table["runs"]:
-        name = run_name(r)
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} |")
-            continue
-        network = r["network"] or {}
-        stage_graphs = r["stage_graphs"] or {}
-        graphs = "-" if not network else (f"{network['compiled_shapes']} "
-                                          f"(+{network['eager_shapes']} eager)")
-        graphs += f"; stages {stage_graphs['graphs']}" if stage_graphs else ""
-        same = "-"
-        if "codes_compared" in r:
-            same = (f"same {r['codes_compared']}" if r["first_difference"] is None
-                    else f"differ from slot {r['first_difference']} of {r['codes_compared']}")
-        lines.append(f"| {name} | {_ms(r['ms_per_iteration'])} | {_ms(r['host_ms_per_iteration'])} "
-                     f"| {_ms(r['busy_ms_per_iteration'])} | {r['codes_per_iteration']:.2f} | "
-                     f"{r['reads_per_iteration']:.2f} | {r['blocking_copies_per_iteration']:.2f} | "
-                     f"{r['warmup_seconds']:.1f} | {graphs} | {same} |")
-        for failure in (network.get("failure"), stage_graphs.get("failure")):
-            if failure:
-                lines.append(f"|  | warning: {failure} |")
+        lines += _run_rows(r)
     ar = {r["compiled"]: r["ms_per_iteration"] for r in runs if r["mode"] == "ar"}
     if ar:
         baseline = min(ar.values())
@@ -428,7 +433,8 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options."""
     parser = argparse.ArgumentParser(prog="python -m sjd_core.tools.gpu_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy width on the CPU (a smoke test)")
@@ -446,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="iterations per mode under the profiler (default 8 real, 1 tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats of each forward")
     parser.add_argument("--json", default=None, help="also write the table to this JSON file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the table; exit code 2 without CUDA unless ``--tiny``."""
+    args = parse_args(argv)
     if args.tiny:
         device, dtype, size = torch.device("cpu"), torch.float32, TINY
         torch.set_num_threads(1)  # toy sizes gain nothing from threads; leave the other cores be

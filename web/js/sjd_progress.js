@@ -17,6 +17,9 @@ const PACK_NODES = new Set([
   "SJDModelLoader",
   "SJDDecode",
   "SJDAccelerationOptions",
+  "SJDDraftingOptions",
+  "SJDLossyAcceptance",
+  "SJDSpeedOptions",
   "SJDSamplingOptions",
 ]);
 const CHART_HEIGHT = 90;

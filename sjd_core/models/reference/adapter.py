@@ -88,16 +88,7 @@ class ReferenceModel:
         device, dtype = resolve_device_dtype(device, dtype, weights)
         self.folder = folder
         self.dtype = dtype
-        self.classes = ClassVocabulary(meta["classes"], meta["synonyms"])
-        self.codebook_size = int(meta["codebook_size"])
-        self.class_offset = int(meta["class_token_offset"])
-        self.null_token = int(meta["null_class_token"])
-        self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
-        self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
-        self.recipes = {RECIPE: SamplingDefaults(
-            **meta["defaults"], source="the reference model's own recipe (reference.json, written by "
-                                       "sjd_core.tools.reference.train)")}
-        self.defaults = self.recipes[RECIPE]
+        self._describe(meta)
         config = LlamaConfig.from_pretrained(str(folder), local_files_only=True)
         self.network = load_transformers_model(LlamaForCausalLM, config, safetensors_files(folder),
                                                device, dtype, device_map,
@@ -119,6 +110,19 @@ class ReferenceModel:
             device=self.device,
             dtype=dtype,
         )
+
+    def _describe(self, meta: dict) -> None:
+        """Classes, codebook, token ids, grid and recipe, from the folder's description."""
+        self.classes = ClassVocabulary(meta["classes"], meta["synonyms"])
+        self.codebook_size = int(meta["codebook_size"])
+        self.class_offset = int(meta["class_token_offset"])
+        self.null_token = int(meta["null_class_token"])
+        self.grid = (int(meta["grid"][0]), int(meta["grid"][1]))
+        self.pixels = (self.grid[1] * int(meta["patch"]), self.grid[0] * int(meta["patch"]))
+        self.recipes = {RECIPE: SamplingDefaults(
+            **meta["defaults"], source="the reference model's own recipe (reference.json, written by "
+                                       "sjd_core.tools.reference.train)")}
+        self.defaults = self.recipes[RECIPE]
 
     def supported_resolutions(self) -> list[tuple[int, int]]:
         """Only the training size, 32x32 pixels."""

@@ -127,11 +127,6 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
                 ) -> list[dict]:
     """The ablation rows ``modes`` (AR first) on the same prompts and seeds; one result dict per
     row."""
-    import numpy as np
-    import torch
-
-    from ...decoding.planner import largest_shape
-    from ...decoding.trace import RISE_COUNTS
     from ...models.protocol import GenerationRequest
     from .probe import energy_test
 
@@ -153,47 +148,58 @@ def run_setting(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingS
         print(f"  measured every mode on {name}", flush=True)
     rows, ar_features = [], None
     for label, acceleration in settings:
-        parts = measured[label]
-        codes = torch.cat([part["codes"] for part in parts])
-        wanted = np.repeat(np.arange(len(classes)), per_class)
-        stats = [target_statistics(model, GenerationRequest(prompt=name), sampling, part["codes"])
-                 for name, part in zip(classes, parts)]
-        images = model.decode(codes)
-        features = probe.features(images)
-        quality = probe.evaluate(images, wanted)
-        seconds = sum(part["seconds"] for part in parts)
-        outside = sum(part["seconds"] * (1 - part["forward_share"]) for part in parts) / seconds
-        row = {
-            "mode": label, "lossless": acceleration.lossless,
-            "nodes": largest_shape(acceleration),
-            "nfe": float(np.mean([part["nfe"] for part in parts])),
-            "step_compression": float(np.mean([part["step_compression"] for part in parts])),
-            "mean_accepted_length": float(np.mean([part["mean_accepted_length"] for part in parts])),
-            "seconds": seconds, "outside_forward": outside,
-            "entropy": float(np.concatenate([s[0] for s in stats]).mean()),
-            "top1": float(np.concatenate([s[1] for s in stats]).mean()),
-            "accuracy": quality["accuracy"], "feature_distance": quality["feature_distance"],
-        }
-        row["drafts"] = {name: (sum(part_summary["drafts_tested"][name] for part in parts
-                                    for part_summary in part["summaries"]),
-                                sum(part_summary["draft_sources"][name] for part in parts
-                                    for part_summary in part["summaries"]))
-                         for name in parts[0]["summaries"][0]["drafts_tested"]}
-        row["shapes"] = Counter()
-        for part in parts:
-            for part_summary in part["summaries"]:
-                row["shapes"].update(part_summary["shapes"])
-        row["vp_rises"] = {name: sum(part_summary["vp_rises"].get(name, 0) for part in parts
-                                     for part_summary in part["summaries"])
-                           for name in RISE_COUNTS}
+        row, features = _row(model, probe, sampling, label, acceleration, measured[label],
+                             per_class)
         if ar_features is None:
-            ar_features, ar_seconds = features, seconds
+            ar_features, ar_seconds = features, row["seconds"]
             row["p_vs_ar"] = None
         else:
             row["p_vs_ar"] = energy_test(ar_features, features, seed=seed)[1]
-        row["speedup"] = ar_seconds / seconds
+        row["speedup"] = ar_seconds / row["seconds"]
         rows.append(row)
     return rows
+
+
+def _row(model: ImageTokenModel, probe: QualityProbe, sampling: SamplingSettings, label: str,
+         acceleration: AccelerationSettings, parts: list[dict], per_class: int
+         ) -> tuple[dict, object]:
+    """One mode's table row from its measured parts (one per class), and the probe's features
+    of its images (for the test against AR's)."""
+    import numpy as np
+    import torch
+
+    from ...decoding.planner import largest_shape
+    from ...decoding.trace import RISE_COUNTS
+    from ...models.protocol import GenerationRequest
+
+    classes = list(model.classes.names)
+    codes = torch.cat([part["codes"] for part in parts])
+    wanted = np.repeat(np.arange(len(classes)), per_class)
+    stats = [target_statistics(model, GenerationRequest(prompt=name), sampling, part["codes"])
+             for name, part in zip(classes, parts)]
+    images = model.decode(codes)
+    quality = probe.evaluate(images, wanted)
+    seconds = sum(part["seconds"] for part in parts)
+    outside = sum(part["seconds"] * (1 - part["forward_share"]) for part in parts) / seconds
+    summaries = [summary for part in parts for summary in part["summaries"]]
+    row = {
+        "mode": label, "lossless": acceleration.lossless,
+        "nodes": largest_shape(acceleration),
+        "nfe": float(np.mean([part["nfe"] for part in parts])),
+        "step_compression": float(np.mean([part["step_compression"] for part in parts])),
+        "mean_accepted_length": float(np.mean([part["mean_accepted_length"] for part in parts])),
+        "seconds": seconds, "outside_forward": outside,
+        "entropy": float(np.concatenate([s[0] for s in stats]).mean()),
+        "top1": float(np.concatenate([s[1] for s in stats]).mean()),
+        "accuracy": quality["accuracy"], "feature_distance": quality["feature_distance"],
+        "drafts": {name: (sum(summary["drafts_tested"][name] for summary in summaries),
+                          sum(summary["draft_sources"][name] for summary in summaries))
+                   for name in summaries[0]["drafts_tested"]},
+        "shapes": sum((Counter(summary["shapes"]) for summary in summaries), Counter()),
+        "vp_rises": {name: sum(summary["vp_rises"].get(name, 0) for summary in summaries)
+                     for name in RISE_COUNTS},
+    }
+    return row, probe.features(images)
 
 
 def table(rows: list[dict]) -> str:
@@ -350,7 +356,7 @@ def _run(args: argparse.Namespace) -> dict[str, list[dict]]:
 def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
     from ...models.reference.adapter import WEIGHTS_DIR
     from ...models.registry import load_model
-    from .probe import QualityProbe, real_floor
+    from .probe import QualityProbe
 
     threads = set_threads(args.threads)
     print(f"torch CPU threads: {threads} (--threads to change)", flush=True)
@@ -369,29 +375,38 @@ def _run_settings(args: argparse.Namespace) -> dict[str, list[dict]]:
         sweeps[name] = ([] if args.modes else
                         window_sweep(model, sampling, args.per_class, args.seed))
     for name, rows in results.items():
-        print(f"\n### {name} setting: {settings[name]}, {count} images per mode (10 classes x "
-              f"{args.per_class} seeds)\n")
-        print(table(rows))
-        print(f"\nmean top-1 probability of the target (AR images): {rows[0]['top1']:.3f}; "
-              f"feature distance of {count} real test images (the floor at this count): "
-              f"{real_floor(probe, count, seed=args.seed):.2f}")
-        print("\ndecisive tests passed, by the rule that made the draft:")
-        print(draft_rules(rows))
-        if any(len(row["shapes"]) > 1 for row in rows):
-            print("\niterations by the shape fed:")
-            print(shapes_fed(rows))
-        if any(row["vp_rises"]["slots"] for row in rows):
-            print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
-                  "committed code:")
-            print(vp_rises(rows))
-        if sweeps[name]:
-            print("\nAC+above by window length: " + ", ".join(
-                f"window {row['window']}: mean accepted length "
-                f"{row['mean_accepted_length']:.2f} ({row['step_compression']:.2f}x)"
-                for row in sweeps[name]))
-        print("targets:")
-        print("\n".join(targets(name, rows)))
+        _print_setting(name, settings[name], rows, sweeps[name], probe, args)
     return results
+
+
+def _print_setting(name: str, sampling: SamplingSettings, rows: list[dict], sweep: list[dict],
+                   probe: QualityProbe, args: argparse.Namespace) -> None:
+    """One setting's table, its draft rules, shapes, VP rises, window sweep and targets."""
+    from .probe import real_floor
+
+    count = 10 * args.per_class
+    print(f"\n### {name} setting: {sampling}, {count} images per mode (10 classes x "
+          f"{args.per_class} seeds)\n")
+    print(table(rows))
+    print(f"\nmean top-1 probability of the target (AR images): {rows[0]['top1']:.3f}; "
+          f"feature distance of {count} real test images (the floor at this count): "
+          f"{real_floor(probe, count, seed=args.seed):.2f}")
+    print("\ndecisive tests passed, by the rule that made the draft:")
+    print(draft_rules(rows))
+    if any(len(row["shapes"]) > 1 for row in rows):
+        print("\niterations by the shape fed:")
+        print(shapes_fed(rows))
+    if any(row["vp_rises"]["slots"] for row in rows):
+        print("\nVP's consecutive rises (the rise count of the slot's last draft) against the "
+              "committed code:")
+        print(vp_rises(rows))
+    if sweep:
+        print("\nAC+above by window length: " + ", ".join(
+            f"window {row['window']}: mean accepted length "
+            f"{row['mean_accepted_length']:.2f} ({row['step_compression']:.2f}x)"
+            for row in sweep))
+    print("targets:")
+    print("\n".join(targets(name, rows)))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..messages import quote
-from ..decoding.drafting import DRAFT_SOURCES, NO_DRAFT
+from .messages import quote
+from .decoding.drafting import DRAFT_SOURCES, NO_DRAFT
 
 # Stops of a blue-green-yellow ramp that stays readable in grey and for common colour blindness.
 _RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]],
@@ -321,6 +321,17 @@ def histogram_figure(counts: list[int], mode: str, size: tuple[int, int] = (480,
             label = str(index + 1)
             draw_text(canvas, (x0 + bar / 2 - text_width(label, small) / 2, bottom + 4), label,
                       small, TEXT)
+    _axes(canvas, (left, top, right, bottom), peak, x_labels, text)
+    return canvas
+
+
+def _axes(canvas: Image.Image, box: tuple[float, float, float, float], peak: int,
+          x_labels: list[str], text: int) -> None:
+    """The histogram's axes in ``box`` (left, top, right, bottom): lines, the 0 and ``peak``
+    ticks, the x axis's name (``x_labels``, its wrapped lines) and the y axis's, turned."""
+    left, top, right, bottom = box
+    draw = ImageDraw.Draw(canvas)
+    small, line = text - 2, line_height(text)
     draw.line([left, bottom, right, bottom], fill=TEXT)
     draw.line([left, top, left, bottom], fill=TEXT)
     for value in (0, peak):
@@ -331,15 +342,14 @@ def histogram_figure(counts: list[int], mode: str, size: tuple[int, int] = (480,
                   TEXT)
     for index, part in enumerate(x_labels):  # centred under the axis, kept on the canvas
         width = text_width(part, text)
-        x = min(max(4, (left + right - width) / 2), size[0] - 4 - width)
+        x = min(max(4, (left + right - width) / 2), canvas.width - 4 - width)
         draw_text(canvas, (x, bottom + small + 8 + index * line), part, text, TEXT)
     y_text = "number of steps"
-    y_label = Image.new("RGB", (max(bottom - top, round(text_width(y_text, text))), line),
+    y_label = Image.new("RGB", (max(round(bottom - top), round(text_width(y_text, text))), line),
                         (255, 255, 255))
     draw_text(y_label, ((y_label.width - text_width(y_text, text)) / 2, 0), y_text, text, TEXT)
     y_label = y_label.rotate(90, expand=True)
-    canvas.paste(y_label, (4, max(0, (top + bottom - y_label.height) // 2)))
-    return canvas
+    canvas.paste(y_label, (4, max(0, round(top + bottom - y_label.height) // 2)))
 
 
 def image_grid(images: np.ndarray, columns: int, scale: int = 1, gap: int = 2) -> Image.Image:
@@ -523,6 +533,20 @@ def summary_block(summary: dict) -> Image.Image:
     return block
 
 
+def _rules_and_histogram(rules: np.ndarray, sources: np.ndarray,
+                         summary: dict) -> list[Image.Image]:
+    """The sheet's last row: the draft-rule map, its legend beside it, the histogram."""
+    rule_panel = _titled(fit(rules, SHEET_COLUMN, SHEET_PICTURE), "draft rule")
+    legend = rule_legend(SHEET_COLUMN, sources, SHEET_TEXT)
+    legend_panel = Image.new("RGB", (SHEET_COLUMN, rule_panel.height - SHEET_PICTURE
+                                     + legend.height), (255, 255, 255))
+    legend_panel.paste(legend, (0, rule_panel.height - SHEET_PICTURE - 4))  # beside the map
+    histogram = histogram_figure(summary["accepted_length_histogram"], summary["mode"],
+                                 (SHEET_COLUMN, max(rule_panel.height, legend_panel.height, 230)),
+                                 SHEET_TEXT)
+    return [rule_panel, legend_panel, histogram]
+
+
 def diagnostics_sheet(maps: list[tuple[str, np.ndarray, tuple[float, float] | None, str]],
                       rules: np.ndarray, sources: np.ndarray, summary: dict,
                       baseline: dict | None = None, image: np.ndarray | None = None,
@@ -553,15 +577,7 @@ def diagnostics_sheet(maps: list[tuple[str, np.ndarray, tuple[float, float] | No
     rows.append([labelled_panel(fit(rgb, SHEET_COLUMN, SHEET_PICTURE), title, span, unit,
                                 width=SHEET_COLUMN, text=SHEET_TEXT)
                  for title, rgb, span, unit in maps])
-    rule_panel = _titled(fit(rules, SHEET_COLUMN, SHEET_PICTURE), "draft rule")
-    legend = rule_legend(SHEET_COLUMN, sources, SHEET_TEXT)
-    legend_panel = Image.new("RGB", (SHEET_COLUMN, rule_panel.height - SHEET_PICTURE
-                                     + legend.height), (255, 255, 255))
-    legend_panel.paste(legend, (0, rule_panel.height - SHEET_PICTURE - 4))  # beside the map
-    histogram = histogram_figure(summary["accepted_length_histogram"], summary["mode"],
-                                 (SHEET_COLUMN, max(rule_panel.height, legend_panel.height, 230)),
-                                 SHEET_TEXT)
-    rows.append([rule_panel, legend_panel, histogram])
+    rows.append(_rules_and_histogram(rules, sources, summary))
     height = SHEET_MARGIN + sum(max(p.height for p in row) + SHEET_GAP for row in rows) \
         - SHEET_GAP + SHEET_MARGIN
     sheet = Image.new("RGB", (SHEET_WIDTH, height), (255, 255, 255))
