@@ -678,20 +678,15 @@ def test_bad_input_gives_a_clear_error_and_the_next_call_works(bench, case):
 
 
 # ------------------------------------------------------------------ prompts read as nothing
-@pytest.mark.parametrize("prompt", ["!!!", "\U0001f98a\U0001f98a", " ... "])
-def test_a_prompt_reduced_to_nothing_draws_unconditionally_and_says_so(bench, prompt):
-    reference = bench.model("reference")
+@pytest.mark.parametrize("prompt", ["!!!", "\U0001f98a\U0001f98a", " ... ", "\u978b\u5b50", "\u00a7\u00b6"])
+def test_a_prompt_that_names_nothing_is_refused_before_any_work(bench, prompt):
+    with pytest.raises(ValueError, match=f"prompt={re.escape(repr(prompt))} names no known class"):
+        start("reference", prompt=prompt)(bench)
     settings, sampling = AccelerationSettings.preset("sjd"), SamplingSettings(guidance=2.0)
-    unread = generate(reference, GenerationRequest(prompt=prompt), sampling, settings, seed=3)
-    empty = generate(reference, GenerationRequest(prompt=""), sampling, settings, seed=3)
-    assert torch.equal(unread.codes, empty.codes)  # the unconditional context, as the rule says
-    line = summary_text(unread.trace.summary())
-    assert f"WARNING: prompt={prompt!r} has no letters or digits the reference model reads" in line
-    assert "unconditionally" in line
-    assert not empty.trace.summary()["warnings"]  # an empty prompt asks for exactly that
-    restored = Trace.from_json(unread.trace.to_json())
-    assert restored.summary()["warnings"] == unread.trace.summary()["warnings"]
-
+    empty = generate(bench.model("reference"), GenerationRequest(prompt=""), sampling, settings, seed=3)
+    assert empty.trace.summary()["unconditional"] and not empty.trace.summary()["warnings"]
+    restored = Trace.from_json(empty.trace.to_json())
+    assert restored.summary()["unconditional"]
 
 
 @pytest.mark.parametrize("error", [

@@ -370,7 +370,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "window": acceleration.window, "tree_nodes": max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
-            "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
+            "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings,
+            "unconditional": bool(getattr(session, "unconditional", False))}
     for name, compiling in compiled.items():
         meta[name] = compiling.report()
         meta["warnings"] += [meta[name]["failure"]] if meta[name]["failure"] else []

@@ -309,6 +309,7 @@ class Trace:
                                          & np.isin(self.commit_kind, (ACCEPTED, RESIDUAL))).sum())
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
+            "unconditional": bool(self.meta.get("unconditional", False)),
             "vp_rises": dict(self.meta.get("vp_rises", {})),
         }
 
@@ -386,7 +387,8 @@ class Trace:
             raise ValueError(f"trace: meta run_id={quote(meta.get('run_id'))} is not allowed: it "
                              "must be the string the sampler wrote.")
         for name, kind, allowed in (("warnings", list, "a list of strings"),
-                                    ("vp_rises", dict, "an object"), ("mode", str, "a string")):
+                                    ("vp_rises", dict, "an object"), ("mode", str, "a string"),
+                                    ("unconditional", bool, "true or false")):
             if name in meta and not isinstance(meta[name], kind):
                 raise ValueError(f"trace: meta {name}={quote(meta[name])} is not allowed: it must "
                                  f"be {allowed}.")
@@ -447,7 +449,8 @@ def shape_counts_text(shapes: dict[str, int], shown: int | None = None) -> str:
 
 def summary_text(summary: dict[str, Any]) -> str:
     """One human line from :meth:`Trace.summary`; the shapes fed when there were several."""
-    text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
+    text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}"
+            f"{', unconditional (empty prompt)' if summary.get('unconditional') else ''}: "
             f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")

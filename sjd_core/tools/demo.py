@@ -162,6 +162,7 @@ def _run(args: argparse.Namespace) -> dict:
     compare = not args.no_baseline and fast != baseline
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
+    check_prompts(model, requests)
     # Warm-up (one-time allocations, lazy initialisation, compiling the batch's shapes) so no
     # timed run pays for it.
     compiled = fast.compiles_on(torch.device(model.device).type)
@@ -239,6 +240,13 @@ def _run(args: argparse.Namespace) -> dict:
               f"{totals['ar'][1] / totals['fast'][1]:.2f}x fewer forward passes")
     print(f"wrote {image_path} and {heatmap_path}")
     return report
+
+
+def check_prompts(model, requests: list) -> None:
+    """Start (and drop) a session for every prompt, so that a prompt the model refuses stops
+    the run before any image is drawn, not after the ones before it."""
+    for request in requests:
+        model.start(request)
 
 
 def main(argv: list[str] | None = None) -> dict:
