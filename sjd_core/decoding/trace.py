@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..files import parse_json
-from ..messages import first_line, quote
+from ..messages import first_line, plural, quote
 from .drafting import DRAFT_SOURCES
 from .verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
@@ -406,7 +406,7 @@ class Trace:
             if actual != shape:
                 raise ValueError(
                     f"trace: array {quote(name)} has shape {actual}, but the meta (grid "
-                    f"{height}x{width}, batch {batch}) and {iterations} iterations make it "
+                    f"{height}x{width}, batch {batch}) and {plural(iterations, 'iteration')} make it "
                     f"{shape}: the trace was edited or put together from different runs.")
         committed = self.committed_per_iteration
         if (committed < 0).any() or (committed.sum(0) != height * width).any():
@@ -451,7 +451,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     """One human line from :meth:`Trace.summary`; the shapes fed when there were several."""
     text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}"
             f"{', unconditional (empty prompt)' if summary.get('unconditional') else ''}: "
-            f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
+            f"{plural(round(summary['nfe']), 'forward pass', 'forward passes')} for "
+            f"{plural(summary['slots_per_image'], 'code')} "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
     shapes = summary.get("shapes", {})

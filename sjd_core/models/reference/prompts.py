@@ -82,7 +82,7 @@ class ClassVocabulary:
         if len(found) != 1:
             problem = "names no known class" if not found else (
                 "names several classes (" + ", ".join(self.names[i] for i in sorted(found)) + ")")
-            raise ValueError(f"{input_name}={quote(prompt)} {problem}. The reference model draws one "
-                             f"Fashion-MNIST class per image; the prompt must contain exactly one "
-                             f"of these names or synonyms: {self.accepted()}.")
+            raise ValueError(f"{input_name}={quote(prompt)} {problem}: the reference model draws one "
+                             f"Fashion-MNIST class per image; name exactly one of "
+                             f"{', '.join(self.names)} (or a synonym of one: {self.accepted()}).")
         return found.pop()
