@@ -412,6 +412,9 @@ CASES = [
     Case("guidance NaN", sample_with(guidance=float("nan")), ValueError,
          r"guidance=nan .* a finite number", generates),
     # --------------------------------------------------------- generate()
+    Case("batch_size 10**9 in AR", generate_with(batch=10**9, window=1), ValueError,
+         r"batch_size=1000000000 is not allowed: .* \(1 node and a window of 1 over 16 codes",
+         generates),
     Case("batch_size 10**9", generate_with(batch=10**9), ValueError,
          r"batch_size=1000000000 is not allowed: .* it would take about [\d,.]+ GiB \(16 nodes "
          r"and a window of 16 over 16 codes per image, 4x4 codes\), and [\d,.]+ GiB are free; "
