@@ -4,6 +4,7 @@ from . import comfy_bridge, resolutions_route
 from .decode import SJDDecode
 from .diagnostics import SJDDiagnostics
 from .loader import SJDModelLoader
+from .node_messages import shorten_messages
 from .options import (SJDAccelerationOptions, SJDDraftingOptions, SJDLossyAcceptance,
                       SJDSamplingOptions, SJDSpeedOptions)
 from .sampler import SJDSampler
@@ -40,3 +41,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "SJDSampler": "SJD Sampler (all options, old)",
     "SJDAccelerationOptions": "SJD Acceleration Options (old)",
 }
+
+# What a node raises shows as one plain line (the whole message goes to the console log).
+for node_class in NODE_CLASS_MAPPINGS.values():
+    shorten_messages(node_class)

@@ -17,14 +17,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from PIL import Image
 
 MODELS_FOLDER = "sjd"  # the name users write in extra_model_paths.yaml
-# The least time between two progress bar updates sent to the browser: at most 2 a second, as
-# often as a live preview, which travels with one. Each update is a "progress" and a
+# The least time between two progress bar updates sent to the browser: at most 1 a second (and
+# the last), with the live preview, which travels with one. Each update is a "progress" and a
 # "progress_state" message, and the newest frontend's Vue-nodes mode spends about a tenth of a
-# second of CPU on each; at 10 a second an AR run of the reference model queued from the page took
-# 1.3-1.4 times as long as over the API on two busy cores.
-UPDATE_SECONDS = 0.5
+# second of CPU on each, which a page on a machine of two cores takes from the run itself.
+UPDATE_SECONDS = 1.0
+PREVIEW_SIZE = 512  # ComfyUI's default largest side of a live preview, in pixels
 
 
 def _comfy(module: str) -> ModuleType | None:
@@ -33,11 +34,6 @@ def _comfy(module: str) -> ModuleType | None:
         return importlib.import_module(module)
     except ImportError:
         return None
-
-
-def in_comfyui() -> bool:
-    """True when ComfyUI's model management is importable (the pack runs inside ComfyUI)."""
-    return _comfy("comfy.model_management") is not None
 
 
 def register_models_folder() -> None:
@@ -138,19 +134,47 @@ class Throttle:
         return False
 
 
+def preview_options() -> tuple[bool, int]:
+    """(whether samplers show live previews, their largest side in pixels), read as ComfyUI's own
+    samplers read them when a run starts: ``--preview-method`` (``none``: no previews; a newer
+    ComfyUI sets it for the run from the frontend's "Live preview method") and ``--preview-size``
+    (a ComfyUI without that option previews at 512). No previews outside ComfyUI."""
+    cli = _comfy("comfy.cli_args")
+    if cli is None:
+        return False, PREVIEW_SIZE
+    method = getattr(cli.args, "preview_method", "none")
+    return getattr(method, "value", method) != "none", int(getattr(cli.args, "preview_size",
+                                                                     PREVIEW_SIZE))
+
+
+def fit_preview(image: Image.Image, size: int) -> Image.Image:
+    """``image`` scaled to fit ``size`` x ``size`` as ComfyUI fits a preview, but an image smaller
+    than that (pixel art, such as the reference model's 32 x 32) grows with nearest-neighbour
+    scaling, so its pixels stay sharp instead of being smoothed by ComfyUI's scaling."""
+    width, height = image.size
+    if max(width, height) >= size:
+        return image
+    scale = size / max(width, height)
+    return image.resize((max(1, round(width * scale)), max(1, round(height * scale))),
+                        Image.NEAREST)
+
+
 class Progress:
     """ComfyUI's progress bar (with previews) when running inside ComfyUI; silent outside.
 
     Updates reach the bar at most once every ``interval`` seconds, and the final one
-    (``done == total``) always, so the browser's bar ends full.
+    (``done == total``) always, so the browser's bar ends full. Previews go out at most
+    ``preview_size`` pixels on a side (see :func:`fit_preview`).
     """
 
     def __init__(self, total: int, interval: float = UPDATE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 preview_size: int = PREVIEW_SIZE) -> None:
         utils = _comfy("comfy.utils")
         self._bar = utils.ProgressBar(total) if utils is not None else None
         self.total = total
         self.throttle = Throttle(interval, clock)
+        self.preview_size = preview_size
 
     def update(self, done: int, preview: Callable[[], Any] | None = None) -> bool:
         """Set the bar to ``done`` unless the last update was too recent; ``preview`` is called
@@ -160,8 +184,9 @@ class Progress:
             return False
         image = preview() if preview is not None else None
         if self._bar is not None:
-            self._bar.update_absolute(done, self.total,
-                                      ("JPEG", image, 512) if image is not None else None)
+            shown = None if image is None else (
+                "JPEG", fit_preview(image, self.preview_size), self.preview_size)
+            self._bar.update_absolute(done, self.total, shown)
         return True
 
 

@@ -20,6 +20,7 @@ from ..sjd_core.decoding.trace import summary_text
 from ..sjd_core.models.protocol import GenerationRequest
 from ..sjd_core.models.registry import offered_resolutions
 from . import comfy_bridge
+from .node_messages import one_line
 from .handles import MODEL_TYPE, LoadedModel, RunInfo, SamplerCodes, SamplerTrace
 from .widgets import BATCH_TOOLTIP
 
@@ -95,10 +96,11 @@ def check_resolution(resolution: str | None, node: str) -> bool | str:
     input comes from another node) is left to the run."""
     if resolution is None or resolution in RESOLUTIONS:
         return True
-    return (f"{node}: resolution={quote(resolution)} is not a size any SJD model draws (a "
-            "workflow from an older version or another machine?): pick 'default' (the model's "
-            "own size) or one of the sizes the list offers, which are the connected model's "
-            "(the Loader's info output names them too).")
+    return one_line(
+        f"{node}: resolution={quote(resolution)} is not a size any SJD model draws (a workflow "
+        "from an older version or another machine?): pick 'default' (the model's own size) or "
+        "one of the sizes the list offers, which are the connected model's (the Loader's info "
+        "output names them too).")
 
 
 def downsampled(values: list[float], points: int = CHART_POINTS) -> list[float]:
@@ -135,6 +137,7 @@ def run_sampler(model: LoadedModel, asked: Prompting, acceleration: Acceleration
     comfy_bridge.load_to_device(model.patcher)
     watcher = LiveProgress(adapter, adapter.grid_for(size), asked.batch_size, node_id,
                            acceleration.mode_name)
+    watcher.start(size)
     with torch.inference_mode():
         try:
             result = generate(adapter, request, sampling=sampling, acceleration=acceleration,
@@ -150,7 +153,7 @@ def run_sampler(model: LoadedModel, asked: Prompting, acceleration: Acceleration
     line = summary_text(summary)
     return {
         "ui": {"sjd_summary": [summary], "sjd_accepted": downsampled(watcher.accepted),
-               "sjd_text": [line]},
+               "sjd_text": [one_line(line)]},  # the node's line; the output keeps it all
         "result": (SamplerCodes(result.codes, model, run), SamplerTrace(result.trace, run), line),
     }
 
@@ -179,12 +182,22 @@ class LiveProgress:
         self.last: IterationReport | None = None
         self.preview_rows = 0
         self.preview_time: float | None = None
+        self.previews, self.preview_size = comfy_bridge.preview_options()
+
+    def start(self, pixels: tuple[int, int]) -> None:
+        """The run begins: the bar starts empty and, where previews are shown, the previous run's
+        preview gives way to a blank image of this run's ``pixels`` (width, height), so that a
+        run that fails shows no image from an earlier one."""
+        self.bar = comfy_bridge.Progress(self.grid[0] * self.grid[1] * self.batch,
+                                         clock=self.clock, preview_size=self.preview_size)
+        self.bar.update(0, (lambda: Image.new("RGB", pixels)) if self.previews else None)
 
     def on_iteration(self, report: IterationReport) -> None:
         comfy_bridge.check_interrupted()
         total = report.total * self.batch
         if self.bar is None:
-            self.bar = comfy_bridge.Progress(total, clock=self.clock)
+            self.bar = comfy_bridge.Progress(total, clock=self.clock,
+                                             preview_size=self.preview_size)
         active = [a for a in report.accepted if a > 0]
         self.accepted.append(sum(active) / len(active) if active else 0.0)
         self.last = report
@@ -208,8 +221,9 @@ class LiveProgress:
             "committed": report.committed, "total": report.total, "mode": self.mode})
 
     def _preview(self, report: IterationReport) -> Image.Image | None:
-        """The first image's finished code rows, decoded, at most every PREVIEW_SECONDS."""
-        if not comfy_bridge.in_comfyui():
+        """The first image's finished code rows, decoded, at most every PREVIEW_SECONDS; nothing
+        (and nothing decoded) when previews are off."""
+        if not self.previews:
             return None
         width = self.grid[1]
         rows = report.committed[0] // width

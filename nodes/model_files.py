@@ -12,6 +12,7 @@ from ..sjd_core.files import list_folder
 from ..sjd_core.messages import quote
 from ..sjd_core.models.reference.adapter import WEIGHTS_DIR
 from . import comfy_bridge
+from .node_messages import one_line
 
 REFERENCE = "reference (embedded)"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
@@ -53,8 +54,9 @@ def missing_model_message(name: str) -> str:
     found, skipped = model_listing()
     choices = ", ".join(quote(n) for n in found)
     left_out = f" Left out of the listing: {'; '.join(skipped)}." if skipped else ""
-    return (f"SJD Model Loader: model={quote(name)} was not found in the SJD models folders "
-            f"[{checked}]. Put the checkpoint folder there under that name (the README's "
-            "'Supported checkpoints' table says where each family's weights come from), or add a "
-            "folder with an 'sjd:' entry in extra_model_paths.yaml, or pick one of: "
-            f"{choices}.{left_out}")
+    return one_line(
+        f"SJD Model Loader: model={quote(name)} was not found: put its checkpoint folder, under "
+        "that name, in an SJD models folder, or add a folder with an 'sjd:' entry in "
+        "extra_model_paths.yaml (the README's 'Supported checkpoints' table says where each "
+        f"family's weights come from); or pick one of: {choices}. Folders looked in: "
+        f"{checked}.{left_out}")

@@ -18,10 +18,13 @@ TIME_LIMIT = 10.0  # seconds the route waits for the file system before it answe
 
 
 def resolutions_for(model: str) -> tuple[int, dict]:
-    """(HTTP status, JSON body) for the loader choice ``model``."""
+    """(HTTP status, JSON body) for the loader choice ``model``. A checkpoint that is not
+    installed (a family template opened before its download) is an answer, not a failed request:
+    200 with ``resolutions`` null and the message, so the page logs no error for it."""
     path = available_models().get(model)
     if path is None:
-        return 404, {"model": quote(model), "error": missing_model_message(model)}
+        return 200, {"model": quote(model), "resolutions": None,
+                     "error": missing_model_message(model)}
     try:
         family, sizes = resolutions_on_disk(path)
     except (OSError, ValueError) as error:

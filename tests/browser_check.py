@@ -60,19 +60,38 @@ ZOOM = 0.75
 SAMPLER_TYPES = ("SJDSamplerV2", "SJDSampler")
 BAD_PROMPT = "a red sports car"  # the reference model knows Fashion-MNIST classes only
 STALE_RESOLUTION = "1000x1000"  # a size no family draws (a workflow from elsewhere)
-PAGE_OVER_API = 1.3  # the most the fastest run queued from the page may take over the fastest
-# run queued over the API
+PAGE_OVER_API = 1.3  # the most a run queued from the page may take over the same job queued
+# over the API (the fastest of each in api_versus_page, the medians in page_and_api_runs)
 # A family template: its checkpoint is not installed where the tests run.
 MISSING_CHECKPOINT = TEMPLATES / "SJD Lumina-mGPT text to image.json"
 
 
+# Before the page's own scripts: note every console warning about something deprecated, with the
+# scripts it came through (``window.sjdDeprecations``: [message, stack]).
+WATCH_DEPRECATIONS = """
+window.sjdDeprecations = [];
+const warn = console.warn.bind(console);
+console.warn = (...args) => {
+  const text = args.map(String).join(" ");
+  if (text.includes("deprecated")) window.sjdDeprecations.push([text, new Error().stack]);
+  warn(...args);
+};
+"""
+
+
 def open_page(playwright, url: str):
-    """Chromium on the ComfyUI page, once its graph exists; returns (browser, page, errors)."""
+    """Chromium on the ComfyUI page, once its graph exists; returns (browser, page, errors).
+    ``page.sjd_failed`` lists the pack's requests (its routes and scripts) that failed."""
     browser = playwright.chromium.launch(executable_path=CHROMIUM,
                                          args=["--no-sandbox", "--disable-gpu"])
     page = browser.new_page(viewport={"width": SCREEN[0], "height": SCREEN[1]})
+    page.add_init_script(WATCH_DEPRECATIONS)
     errors: list[str] = []
+    page.sjd_failed = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("response", lambda answer: page.sjd_failed.append([answer.status, answer.url])
+            if answer.status >= 400 and ("/sjd/" in answer.url or "sjd-autoregressive" in answer.url)
+            else None)
     page.goto(url)
     page.wait_for_function("window.app && window.app.graph && window.app.graph._nodes",
                            timeout=60_000)
@@ -139,7 +158,15 @@ def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
         chart.progress = (detail) => {{
             window.sjdSeen.messages.push([detail.iteration, (detail.steps ?? []).length]);
             progress(detail);
+            if (chart.live !== null) window.sjdSeen.statuses.push(chart.live);  // its next frame's
         }};
+        // What the chart's line shows, frame by frame, while the run lasts.
+        window.sjdSeen.painted = new Set();
+        const watch = () => {{
+            window.sjdSeen.painted.add(chart.status.textContent);
+            if (!window.sjdSeen.finishes) requestAnimationFrame(watch);
+        }};
+        requestAnimationFrame(watch);
         const finish = chart.finish.bind(chart);
         chart.finish = (...args) => {{
             window.sjdSeen.finishes += 1;
@@ -154,7 +181,7 @@ def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
     page.wait_for_function(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText"
                            ".includes('forward passes')", timeout=30_000)
     page.wait_for_timeout(1000)  # a second finish, if one came, would arrive by now
-    seen = page.evaluate("window.sjdSeen")
+    seen = page.evaluate("({ ...window.sjdSeen, painted: [...window.sjdSeen.painted] })")
     text = chart_text(page, sampler_id)
     queue(page)
     page.wait_for_function(f"window.app.graph.getNodeById({sampler_id}).sjdChart.box.innerText"
@@ -164,6 +191,7 @@ def run_with_chart(page, sampler_id: int, save_id: int, timeout: float) -> dict:
             "chart_after_cached_rerun": chart_text(page, sampler_id),
             "finishes": seen["finishes"], "first_step": steps[0] if steps else None,
             "last_step": steps[-1] if steps else None,
+            "painted_steps": [line for line in seen["painted"] if ": step " in line],
             # (last step named, steps brought) per progress message; the chart's bars when the
             # finished run's own series arrived
             "messages": seen["messages"], "bars_before_finish": seen["before_finish"]}
@@ -462,6 +490,120 @@ def api_versus_page(page, server, sampler_id: int, save_id: int, pairs: int = 3,
             "ratio_fastest": round(ratio(), 2)}
 
 
+def switch_nodes_2(page, on: bool) -> None:
+    """Turn Nodes 2.0 on or off as a person does: open the settings, search for it, flip its
+    switch, close the settings; returns once the graph is drawn the new way."""
+    page.evaluate("async () => { await window.app.extensionManager.command"
+                  ".execute('Comfy.ShowSettingsDialog'); }")
+    dialog = page.locator("[role=dialog]")
+    dialog.get_by_placeholder("Search", exact=False).first.fill("Nodes 2.0")
+    row = dialog.locator(".setting-item, .setting-box", has_text="Modern Node Design").first
+    switch = row.locator("[role=switch], input[type=checkbox]").first
+    if page.evaluate(VUE_SETTING) != on:
+        switch.click()
+    page.wait_for_function(f"({VUE_SETTING}) === {json.dumps(on)}", timeout=30_000)
+    page.keyboard.press("Escape")
+    dialog.wait_for(state="hidden", timeout=30_000)
+    if on:
+        page.locator("[data-node-id]").first.wait_for(timeout=30_000)
+    page.wait_for_timeout(1000)
+
+
+VUE_SETTING = "window.app.extensionManager.setting.get('Comfy.VueNodes.Enabled')"
+
+
+def with_new_seeds(prompt: dict, seed: int) -> dict:
+    """``prompt`` (API format) with every node's seed set to ``seed``: never served from cache."""
+    for node in prompt.values():
+        if "seed" in node["inputs"]:
+            node["inputs"]["seed"] = seed
+    return prompt
+
+
+# Notes when the page sends a prompt (``window.sjdPostedAt``, ms since the epoch, the clock
+# time.time() reads too): the page's run is timed from there, as the API's from its POST.
+NOTE_POSTS = """() => {
+    if (window.sjdPostsNoted) return;
+    window.sjdPostsNoted = true;
+    const send = window.fetch;
+    window.fetch = function (address, options, ...rest) {
+        if (String(address).endsWith("/prompt") && options?.method === "POST") {
+            window.sjdPostedAt = Date.now();
+        }
+        return send.call(this, address, options, ...rest);
+    };
+}"""
+
+
+def page_and_api_runs(page, server, template: Path, pairs: int = 3, timeout: float = 240.0,
+                      first_seed: int = 5000) -> dict:
+    """The shipped ``template`` as a person runs it: loaded, seen at its own zoom, queued with
+    the Run button (its seeds are randomised after each run, so none is served from cache); and the
+    same job queued over the API (POST /prompt) with a new seed, in ``pairs`` pairs run back to
+    back. Each run is timed from the moment its prompt is sent (POST /prompt: by the test, or by
+    the page after the click on Run has built it) until /history has it (both polled the same
+    way), so both time the same job; the page's next run waits until its images are shown. Returns the times and the ratio of
+    the page's median to the API's."""
+    graph = json.loads(template.read_text())
+    load(page, graph)
+    show_saved_view(page, graph)
+    saves = [n["id"] for n in graph["nodes"] if n["type"] == "SaveImage"]
+    prompt = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+    page.evaluate(NOTE_POSTS)
+    times: dict = {"api": [], "page": []}
+    for pair in range(pairs):
+        started = time.time()
+        answer = server.post("/prompt", {"prompt": with_new_seeds(prompt, first_seed + pair),
+                                         "client_id": "sjd-api-timing"})
+        entry = history_entry(server, answer["prompt_id"], timeout)
+        times["api"].append(time.time() - started)
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        before = {node_id: shown_image(page, node_id) for node_id in saves}
+        finished = set(server.get("/history"))
+        page.evaluate("() => { window.sjdPostedAt = null; }")
+        page.get_by_test_id("queue-button").first.click()  # the frontend's Run button
+        entry = history_entry(server, queued_prompt_id(server, finished), timeout)
+        times["page"].append(time.time() - page.evaluate("window.sjdPostedAt") / 1000)
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        for node_id in saves:
+            wait_for_image(page, node_id, timeout, before[node_id])
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    return {"api": [round(t, 2) for t in times["api"]],
+            "page": [round(t, 2) for t in times["page"]],
+            "ratio_median": round(median(times["page"]) / median(times["api"]), 2)}
+
+
+def renderer_timings(server: ComfyServer, timeout: float = 240.0) -> dict:
+    """Both runnable templates from the page and over the API, first in the classic canvas,
+    then with Nodes 2.0 switched on in the settings ({renderer: {template: times}}); every
+    template is loaded in each renderer, and the table also lists the page's errors, the pack's
+    requests that failed and the deprecation warnings raised through the pack's scripts."""
+    from playwright.sync_api import sync_playwright
+
+    server.set_setting("Comfy.VueNodes.Enabled", False)
+    server.set_setting("Comfy.TutorialCompleted", True)
+    table: dict = {}
+    with sync_playwright() as playwright:
+        browser, page, errors = open_page(playwright, server.url)
+        for renderer in ("canvas", "nodes 2.0"):
+            if renderer == "nodes 2.0":
+                switch_nodes_2(page, True)
+            table[renderer] = {path.stem: page_and_api_runs(page, server, path, timeout=timeout)
+                               for path in RUNNABLE}
+            for path in sorted(TEMPLATES.glob("*.json")):  # the others too: nothing may fail
+                load(page, json.loads(path.read_text()))
+                page.wait_for_timeout(1000)
+        deprecations = page.evaluate("window.sjdDeprecations")
+        browser.close()
+    table["page_errors"] = errors
+    table["failed_requests"] = page.sjd_failed
+    # The pack's script among the callers (frontends serve extension scripts under
+    # /extensions/<pack folder>/).
+    table["deprecations_from_the_pack"] = [text for text, stack in deprecations
+                                           if "/extensions/sjd-autoregressive/" in stack]
+    return table
+
+
 def observer_disconnects(page, sampler_id: int) -> int:
     """Remove the sampler from the graph; returns how often its ResizeObserver was disconnected."""
     return page.evaluate(f"""() => {{
@@ -614,7 +756,15 @@ def main() -> None:
     parser.add_argument("--shipped-frontend", action="store_true",
                         help="the current ComfyUI with the frontend it ships, not the newest")
     parser.add_argument("--out", type=Path, default=SCREENSHOTS)
+    parser.add_argument("--timing", action="store_true",
+                        help="only the page/API timing table, canvas and Nodes 2.0 (current only)")
     args = parser.parse_args()
+    if args.timing:
+        from comfyui_current import CurrentComfyServer
+
+        with CurrentComfyServer(use_newest_frontend=not args.shipped_frontend) as server:
+            print(json.dumps(renderer_timings(server), indent=1))
+        return
     if args.comfyui == "2024":
         server = ComfyServer()
     else:

@@ -237,6 +237,7 @@ class Listener:
         self.url = f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}"
         self.events: list[dict] = []
         self.previews = 0
+        self.frames: list[bytes] = []  # each binary message as sent (event type, then data)
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -273,6 +274,7 @@ class Listener:
                         self.events.append(json.loads(message.data))
                     elif message.type == aiohttp.WSMsgType.BINARY:
                         self.previews += 1
+                        self.frames.append(message.data)
                     else:
                         break
 

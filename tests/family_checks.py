@@ -280,3 +280,16 @@ def output_positions(prefix: int, count: int, width: int, row_end: bool) -> list
         pos += 1 + (1 if row_end and i % width == width - 1 else 0)
         positions.append(pos)
     return positions
+
+
+@torch.no_grad()
+def check_text_without_letters_is_read_as_a_prompt(model, request: GenerationRequest) -> None:
+    """A text family reads a prompt of punctuation and emoji as text: the session is conditioned
+    on it (not unconditional, and its first logits are not those of the empty prompt)."""
+    first = {}
+    for prompt in ("", "!!! \U0001f98a"):
+        session = model.start(replace(request, prompt=prompt))
+        assert not getattr(session, "unconditional", False)
+        logits, _ = session.forward(torch.tensor([[0]]), torch.tensor([[-1]]), chain(1), [0])
+        first[prompt] = logits[0, 0]
+    assert not torch.allclose(first[""], first["!!! \U0001f98a"])

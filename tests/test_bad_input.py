@@ -17,9 +17,10 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from unittest import mock
 
 import pytest
@@ -27,7 +28,7 @@ import torch
 
 from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
-from sjd_core.decoding.trace import Trace, summary_text
+from sjd_core.decoding.trace import Trace
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.reference import WEIGHTS_DIR
 from sjd_core.models.registry import load_model
@@ -39,6 +40,7 @@ torch.set_num_threads(1)
 pack = import_pack()
 from sjd_pack.nodes.handles import LoadedModel  # noqa: E402
 from sjd_pack.nodes.loader import MANAGED  # noqa: E402
+from sjd_pack.nodes.node_messages import LINE_LIMIT, shorten_messages  # noqa: E402
 
 Sampler = pack.NODE_CLASS_MAPPINGS["SJDSampler"]
 Loader = pack.NODE_CLASS_MAPPINGS["SJDModelLoader"]
@@ -181,6 +183,19 @@ def without_letters(tokenizer: dict) -> None:
     for token in [t for t in vocab if len(t) == 1 and t.isascii() and t.isalpha()]:
         del vocab[token]
     tokenizer["model"]["unk_token"] = "<unk>"
+
+
+def save_object(name: str) -> Callable[[Path], None]:
+    """A checkpoint file that pickles a Python object besides its tensors (code to run)."""
+    def change(folder: Path) -> None:
+        torch.save({"state_dict": {"w": torch.zeros(1)}, "path": PurePosixPath("x")}, folder / name)
+    return change
+
+
+def without_accelerate(bench: Bench):
+    """A split (device_map) load of the reference model where accelerate is not installed."""
+    with mock.patch.dict(sys.modules, {"accelerate": None, "accelerate.utils": None}):
+        return load_model(WEIGHTS_DIR, device_map="auto")
 
 
 def remove(name: str) -> Callable[[Path], None]:
@@ -397,6 +412,9 @@ CASES = [
     Case("guidance NaN", sample_with(guidance=float("nan")), ValueError,
          r"guidance=nan .* a finite number", generates),
     # --------------------------------------------------------- generate()
+    Case("batch_size 10**9 in AR", generate_with(batch=10**9, window=1), ValueError,
+         r"batch_size=1000000000 is not allowed: .* \(1 node and a window of 1 over 16 codes",
+         generates),
     Case("batch_size 10**9", generate_with(batch=10**9), ValueError,
          r"batch_size=1000000000 is not allowed: .* it would take about [\d,.]+ GiB \(16 nodes "
          r"and a window of 16 over 16 codes per image, 4x4 codes\), and [\d,.]+ GiB are free; "
@@ -456,7 +474,8 @@ CASES = [
     Case("missing path", load_path("no/such/model"), FileNotFoundError,
          r"Model path '.*no/such/model' does not exist", loads("janus")),
     Case("empty folder", empty_folder, ValueError,
-         r"empty-model-folder' is not a checkpoint of a known model family. Known families",
+         r"empty-model-folder' is not a checkpoint of a known model family \(lumina-mgpt-2, "
+         r".*\)\. Known families",
          loads("janus")),
     Case("llamagen: 0-byte GPT .pt", load_damaged("llamagen", write(GPT, b""), GPT), ValueError,
          r"LlamaGen weights file '.*c2i_tiny_8.pt' is empty \(0 bytes\): .* download it again",
@@ -513,6 +532,15 @@ CASES = [
     Case("lumina: truncated shard", load_damaged("lumina", truncate("model-00001-of-00003.safetensors")),
          ValueError, r"Weight file '.*model-00001-of-00003.safetensors' is damaged or truncated",
          loads("lumina")),
+    Case("lumina: vqgan.ckpt that pickles an object", load_damaged("lumina", save_object("vqgan.ckpt")),
+         ValueError, r"Could not read '.*vqgan.ckpt' as a weights-only checkpoint \(it names the "
+         r"Python object pathlib.PurePosixPath\)", loads("lumina")),
+    Case("llamagen: GPT .pt that pickles an object", load_damaged("llamagen", save_object(GPT), GPT),
+         ValueError, r"'.*c2i_tiny_8.pt' holds Python objects other than tensors .* \(it names the "
+         r"Python object pathlib.PurePosixPath\)", loads("llamagen")),
+    Case("accelerate not installed", without_accelerate, ImportError,
+         r"needs the accelerate package, which is not installed: install it with `python -m pip "
+         r"install accelerate`", loads("reference")),
     Case("reference: reference.json not JSON",
          load_damaged("reference", write("reference.json", "{\"family\": \"refer")), ValueError,
          r"'.*weights/reference.json' is not valid JSON", loads("reference")),
@@ -677,21 +705,43 @@ def test_bad_input_gives_a_clear_error_and_the_next_call_works(bench, case):
     case.then(bench)
 
 
-# ------------------------------------------------------------------ prompts read as nothing
-@pytest.mark.parametrize("prompt", ["!!!", "\U0001f98a\U0001f98a", " ... "])
-def test_a_prompt_reduced_to_nothing_draws_unconditionally_and_says_so(bench, prompt):
-    reference = bench.model("reference")
-    settings, sampling = AccelerationSettings.preset("sjd"), SamplingSettings(guidance=2.0)
-    unread = generate(reference, GenerationRequest(prompt=prompt), sampling, settings, seed=3)
-    empty = generate(reference, GenerationRequest(prompt=""), sampling, settings, seed=3)
-    assert torch.equal(unread.codes, empty.codes)  # the unconditional context, as the rule says
-    line = summary_text(unread.trace.summary())
-    assert f"WARNING: prompt={prompt!r} has no letters or digits the reference model reads" in line
-    assert "unconditionally" in line
-    assert not empty.trace.summary()["warnings"]  # an empty prompt asks for exactly that
-    restored = Trace.from_json(unread.trace.to_json())
-    assert restored.summary()["warnings"] == unread.trace.summary()["warnings"]
+# Advice that libraries write into their messages (torch's on loading a refused file, transformers'
+# and pip's on installing), which the pack words itself; and count words that "1" must not take.
+FOREIGN_ADVICE = ("will likely succeed", "You can install it with", "Please use",
+                  "weights_only` set to `False`", "add_safe_globals")
+WRONG_PLURAL = re.compile(r"(?<![\d.,])1 (nodes|codes|images|steps|tokens|rows|iterations|files|"
+                          r"classes|prompts|shapes|layers|forward passes|characters|bytes|seconds)\b")
 
+
+def shown_on_a_node(case: Case, bench: Bench) -> str:
+    """The message a node shows when ``case`` fails inside it: the case run as a node's function,
+    wrapped as the pack wraps every node's."""
+    node_class = type("Failing", (), {"FUNCTION": "run", "run": lambda self: case.call(bench)})
+    with pytest.raises(Exception) as raised:
+        shorten_messages(node_class)().run()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_each_bad_input_shows_on_a_node_as_one_plain_line_in_the_packs_words(bench, case):
+    shown = shown_on_a_node(case, bench)
+    assert "\n" not in shown and len(shown) <= LINE_LIMIT, (len(shown), shown)
+    assert "\x1b[" not in shown, shown
+    assert not [advice for advice in FOREIGN_ADVICE if advice in shown], shown
+    assert not WRONG_PLURAL.search(shown), shown
+    case.then(bench)
+
+
+# ------------------------------------------------------------------ prompts read as nothing
+@pytest.mark.parametrize("prompt", ["!!!", "\U0001f98a\U0001f98a", " ... ", "\u978b\u5b50", "\u00a7\u00b6"])
+def test_a_prompt_that_names_nothing_is_refused_before_any_work(bench, prompt):
+    with pytest.raises(ValueError, match=f"prompt={re.escape(repr(prompt))} names no known class"):
+        start("reference", prompt=prompt)(bench)
+    settings, sampling = AccelerationSettings.preset("sjd"), SamplingSettings(guidance=2.0)
+    empty = generate(bench.model("reference"), GenerationRequest(prompt=""), sampling, settings, seed=3)
+    assert empty.trace.summary()["unconditional"] and not empty.trace.summary()["warnings"]
+    restored = Trace.from_json(empty.trace.to_json())
+    assert restored.summary()["unconditional"]
 
 
 @pytest.mark.parametrize("error", [
@@ -720,10 +770,12 @@ def test_library_errors_while_building_name_the_family_and_the_checkpoint(bench,
 
 
 # ------------------------------------------------------------------ folders and the route
-def test_a_models_folder_with_hostile_entries_still_lists_every_good_checkpoint(bench, tmp_path):
+def test_a_models_folder_with_hostile_entries_still_lists_every_good_checkpoint(bench, tmp_path,
+                                                                               caplog):
     """A symbolic-link loop, a link to nothing, a FIFO and a link to /dev/zero among the models
-    leave the listing whole: each is left out and named where a model is not found, and the
-    loader still loads a good checkpoint from the same folder."""
+    leave the listing whole: each is left out and named where a model is not found (in the
+    console log, when the node's one line has no room for them), and the loader still loads a
+    good checkpoint from the same folder."""
     from sjd_pack.nodes.model_files import missing_model_message, model_listing
 
     models = tmp_path / "models"
@@ -741,7 +793,9 @@ def test_a_models_folder_with_hostile_entries_still_lists_every_good_checkpoint(
     assert [s.split(": ", 1)[1] for s in skipped] == [
         "'gone.safetensors' is a symbolic link to nothing", "'loop' is a symbolic-link loop",
         "'pipe.safetensors' is a FIFO (named pipe)", "'zero.ckpt' is a character device"]
-    assert "Left out of the listing" in message and "'loop' is a symbolic-link loop" in message
+    shown = message + " " + caplog.text
+    assert "Left out of the listing" in shown and "'loop' is a symbolic-link loop" in shown
+    assert len(message) <= LINE_LIMIT and "'good'" in message  # the choices come first
     assert loaded.family == "llamagen"
 
 
@@ -776,7 +830,7 @@ def test_the_resolutions_route_reads_off_the_event_loop_within_its_time_limit(mo
     assert status == 504 and "longer than 0.3 s" in body["error"] and ticks >= 10
     monkeypatch.undo()
     status, body = asyncio.run(resolutions_route.resolutions_answer("m" * 10 * 2**20))
-    assert status == 404 and len(json.dumps(body)) < 4 * MAX_MESSAGE
+    assert status == 200 and body["resolutions"] is None and len(json.dumps(body)) < 4 * MAX_MESSAGE
     assert "(10,485,760 characters)" in body["error"]
     status, body = asyncio.run(resolutions_route.resolutions_answer("reference (embedded)"))
     assert status == 200 and body["resolutions"] == ["32x32"]

@@ -40,6 +40,12 @@ def reference(lumina_dir):
     return chameleon_reference(lumina_dir)
 
 
+@pytest.mark.parametrize("family", ["lumina", "anole"])
+def test_punctuation_and_emoji_are_read_as_a_prompt(family, request):
+    model = request.getfixturevalue(family)
+    fc.check_text_without_letters_is_read_as_a_prompt(model, GenerationRequest(prompt="a fox"))
+
+
 def chain(t: int) -> torch.Tensor:
     return torch.tril(torch.ones(t, t, dtype=torch.bool))
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from browser_check import (BAD_PROMPT, PAGE_OVER_API, SCREEN, SCREENSHOTS,  # noqa: E402
-                           SPEED_UP_PX, STALE_RESOLUTION, TEMPLATES, check)
+from browser_check import (BAD_PROMPT, PAGE_OVER_API, RUNNABLE, SCREEN,  # noqa: E402
+                           SCREENSHOTS, SPEED_UP_PX, STALE_RESOLUTION, TEMPLATES, check,
+                           renderer_timings)
 from comfyui_current import CurrentComfyServer  # noqa: E402
 from comfyui_harness import ComfyServer  # noqa: E402
 
@@ -54,6 +55,8 @@ def test_template_runs_and_the_chart_counts_each_step_once(seen):
     assert "forward passes for 256 codes" in run["chart"]
     assert run["chart_after_cached_rerun"].startswith("cached (inputs unchanged)")
     assert run["first_step"].startswith("AUTO: step 1, ")
+    # the running line is painted anew while the run lasts (throttled to frames, not frozen)
+    assert len(run["painted_steps"]) >= 2, run["painted_steps"]
     steps = int(run["chart"].split(":")[1].split("forward passes")[0])
     assert run["last_step"].startswith(f"AUTO: step {steps}, 256/256 codes")
     # A message brings every step since the previous one: each step reaches the chart once.
@@ -210,3 +213,31 @@ def test_template_browser_shows_titles_thumbnails_and_loads_a_card(seen):
     assert all(browser["thumbnails"].get(name) for name in names), browser["thumbnails"]
     assert browser["loaded"] == ["Note", "SJDDecode", "SJDModelLoader", "SJDSamplerV2",
                                  "SaveImage"]
+
+
+# The frontends of the CI's newest ComfyUI: the one it ships and the newest on PyPI.
+FRONTENDS = {"frontend-1.32.9": False, "frontend-1.58.1": True}
+
+
+@pytest.fixture(scope="module", params=list(FRONTENDS))
+def timings(request):
+    """The page/API timing table of ComfyUI 0.3.75 with one frontend, both renderers (Nodes 2.0
+    switched on in the settings, as a person does), both runnable templates at their own zoom."""
+    with CurrentComfyServer(use_newest_frontend=FRONTENDS[request.param]) as server:
+        table = renderer_timings(server)
+    print(f"\n{request.param}: {json.dumps(table)}")
+    return table
+
+
+@pytest.mark.parametrize("renderer", ["canvas", "nodes 2.0"])
+def test_a_template_run_from_the_page_takes_at_most_1_3x_the_same_job_over_the_api(timings,
+                                                                                    renderer):
+    for template in RUNNABLE:
+        times = timings[renderer][template.stem]
+        assert times["ratio_median"] <= PAGE_OVER_API, (renderer, template.stem, times)
+
+
+def test_the_packs_scripts_raise_no_deprecation_and_its_requests_never_fail(timings):
+    assert timings["deprecations_from_the_pack"] == []
+    assert timings["failed_requests"] == []
+    assert timings["page_errors"] == []

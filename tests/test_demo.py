@@ -135,6 +135,8 @@ def test_demo_picks_its_thread_count_and_says_so(tmp_path, capsys):
     (benchmark, ["--per-class", "1"], "--per-class=1 is not allowed"),
     (benchmark, ["--model", "/nowhere/at/all"], "/nowhere/at/all"),
     (demo, ["--threads", "-1"], "--threads=-1 is not allowed: it must be >= 0"),
+    (demo, ["--prompt", "!!!"], "prompt='!!!' names no known class"),
+    (demo, ["--prompt", "bag", "\U0001f98a"], "prompt='\U0001f98a' names no known class"),
     (bench, ["--threads", "-1"], "argument --threads: '-1' is not allowed: it must be an integer >= 0"),
     (demo, ["--out", __file__], "argument --out: '" + __file__ + "' is a file, not a folder"),
     (bench, ["--json", "{tmp}"], "argument --json: '{tmp}' is a folder; name a file to write"),

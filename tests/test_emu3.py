@@ -80,6 +80,10 @@ def test_negative_prompt_defaults_to_the_official_one(model, monkeypatch):
     assert cond[0].ids.tolist() == model.prompt_ids("a cat" + emu3.POSITIVE_SUFFIX, GRID)
 
 
+def test_punctuation_and_emoji_are_read_as_a_prompt(model):
+    fc.check_text_without_letters_is_read_as_a_prompt(model, request())
+
+
 def test_window_equals_stepwise_across_row_ends(model):
     fc.check_window_equals_stepwise(model, request(), make_reference(model), CODES[:11])
 

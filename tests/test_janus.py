@@ -56,6 +56,10 @@ def test_prompt_and_guidance_rows_follow_the_recipe(model):
     assert model.parts().row_end_id is None
 
 
+def test_punctuation_and_emoji_are_read_as_a_prompt(model):
+    fc.check_text_without_letters_is_read_as_a_prompt(model, request())
+
+
 def test_window_equals_stepwise(model):
     fc.check_window_equals_stepwise(model, request(), make_reference(model), CODES[:11])
 

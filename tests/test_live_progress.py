@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.pack import import_pack
 
@@ -108,18 +110,19 @@ def test_chart_messages_are_four_a_second_and_carry_every_step_once(sent):
     assert chart[:100] == [2.0] * 100 and chart[100:199] == [1.0] * 99 and chart[-1] == 101
 
 
-def test_progress_bar_updates_are_two_a_second_and_the_last_one_always_arrives(bar_updates):
+def test_progress_bar_updates_are_one_a_second_and_the_last_one_always_arrives(bar_updates):
     clock = FakeClock()
     bar = comfy_bridge.Progress(TOTAL, clock=clock)
-    assert bar.throttle.interval == comfy_bridge.UPDATE_SECONDS == 0.5
+    assert bar.throttle.interval == comfy_bridge.UPDATE_SECONDS == 1.0
     previews = []
     for done in range(1, TOTAL + 1):  # 64 updates 16 ms apart: 1 s
-        bar.update(done, lambda: previews.append(done) or f"image {done}")
+        bar.update(done, lambda: previews.append(done) or Image.new("RGB", (600, 300), done))
         clock.now += 0.016
-    assert [value for value, _, _ in bar_updates] == [1, 33, TOTAL]
+    assert [value for value, _, _ in bar_updates] == [1, TOTAL]
     assert all(total == TOTAL for _, total, _ in bar_updates)
-    assert previews == [1, 33, TOTAL]  # a preview is made only for an update that goes out
-    assert bar_updates[-1][2] == ("JPEG", f"image {TOTAL}", 512)
+    assert previews == [1, TOTAL]  # a preview is made only for an update that goes out
+    kind, image, size = bar_updates[-1][2]
+    assert (kind, size) == ("JPEG", 512) and image.size == (600, 300)  # ComfyUI shrinks it
 
 
 def test_a_sampler_run_sends_every_step_once_and_ends_full(sent, bar_updates):
@@ -134,7 +137,8 @@ def test_a_sampler_run_sends_every_step_once_and_ends_full(sent, bar_updates):
     assert messages[-1]["iteration"] == iterations and messages[-1]["committed"] == [64, 64]
     assert [v for m in messages for v in m["steps"]] == out["ui"]["sjd_accepted"]
     assert bar_updates[-1][:2] == (128, 128)
-    assert len(bar_updates) <= len(messages) + 1 < iterations
+    assert bar_updates[0] == (0, 128, None)  # the run starts the bar empty (no previews here)
+    assert len(bar_updates) <= len(messages) + 2 < iterations
 
 
 def test_a_cancelled_run_still_sends_the_steps_it_made(sent, monkeypatch):
@@ -167,3 +171,69 @@ def test_a_size_no_model_draws_is_refused_with_the_packs_message():
     message = generation.check_resolution("1000x1000", "SJD Sampler")
     assert message.startswith("SJD Sampler: resolution='1000x1000' is not a size any SJD model")
     assert "'default'" in message
+
+
+def with_previews(monkeypatch, method: str, size: int | None = None) -> None:
+    """ComfyUI's command line as ``--preview-method method`` (and ``--preview-size size``; None:
+    a ComfyUI without that option)."""
+    args = SimpleNamespace(preview_method=SimpleNamespace(value=method))
+    if size is not None:
+        args.preview_size = size
+    cli = SimpleNamespace(args=args)
+    real = comfy_bridge._comfy
+    monkeypatch.setattr(comfy_bridge, "_comfy",
+                        lambda module: cli if module == "comfy.cli_args" else real(module))
+
+
+@pytest.mark.parametrize("method, size, expected", [
+    ("none", 512, (False, 512)), ("auto", 256, (True, 256)), ("latent2rgb", None, (True, 512))])
+def test_previews_follow_comfyuis_preview_method_and_size(monkeypatch, method, size, expected):
+    with_previews(monkeypatch, method, size)
+    assert comfy_bridge.preview_options() == expected
+
+
+def test_outside_comfyui_there_are_no_previews():
+    assert comfy_bridge.preview_options() == (False, comfy_bridge.PREVIEW_SIZE)
+
+
+def test_pixel_art_grows_with_sharp_pixels_and_a_large_image_is_left_to_comfyui():
+    art = Image.fromarray(np.arange(32 * 32, dtype=np.uint8).reshape(32, 32) % 251).convert("RGB")
+    grown = comfy_bridge.fit_preview(art, 512)
+    assert grown.size == (512, 512)
+    pixels = np.asarray(grown)
+    assert np.array_equal(pixels, np.asarray(art).repeat(16, 0).repeat(16, 1))  # 16 x 16 blocks
+    wide = comfy_bridge.fit_preview(Image.new("RGB", (64, 16)), 300)
+    assert wide.size == (300, 75)
+    large = Image.new("RGB", (1024, 768))
+    assert comfy_bridge.fit_preview(large, 512) is large
+
+
+class CountingDecoder:
+    """An adapter whose decode counts its calls (a 4 x 4 grid of 8-pixel codes)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, grid: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.zeros(grid.shape[0], 32, 32, 3)
+
+
+@pytest.mark.parametrize("method", ["none", "auto"])
+def test_preview_method_none_decodes_nothing_and_sends_no_image(monkeypatch, bar_updates,
+                                                                 method):
+    with_previews(monkeypatch, method, 128)
+    adapter = CountingDecoder()
+    watcher = generation.LiveProgress(adapter=adapter, grid=(4, 4), batch=1, node_id="4",
+                                      mode="AR", clock=FakeClock())
+    watcher.start((32, 32))
+    for report in reports([[4]] * 4, total=16):
+        watcher.on_iteration(report)
+    images = [preview[1] for _, _, preview in bar_updates if preview is not None]
+    if method == "none":
+        assert adapter.calls == 0 and images == []
+    else:
+        # the blank image that replaces the last run's preview, then the finished image
+        assert adapter.calls >= 1 and len(images) >= 2
+        assert images[0].size == (128, 128) and not np.asarray(images[0]).any()
+        assert all(preview[2] == 128 for _, _, preview in bar_updates if preview)

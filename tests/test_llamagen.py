@@ -383,17 +383,18 @@ def test_caption_features_from_a_local_t5_encoder(t2i_with_t5):
 
 
 @pytest.mark.parametrize("prompt", [" ... ", "***", "#@&~"])
-def test_a_prompt_the_caption_cleaning_empties_says_so_in_the_summary(t2i_with_t5, prompt):
+def test_a_prompt_the_caption_cleaning_empties_is_refused_before_t5_loads(t2i_with_t5, prompt):
     model = load_model(t2i_with_t5)
     sampling, settings = SamplingSettings(guidance=7.5), AccelerationSettings.preset("sjd")
-    unread = generate(model, GenerationRequest(prompt=prompt), sampling, settings, seed=2)
+    with pytest.raises(ValueError, match="is empty after LlamaGen's caption cleaning"):
+        generate(model, GenerationRequest(prompt=prompt), sampling, settings, seed=2)
+    assert model._t5 is None  # refused before the encoder was loaded
     empty = generate(model, GenerationRequest(prompt=""), sampling, settings, seed=2)
-    assert torch.equal(unread.codes, empty.codes)  # T5 read the same empty caption
-    line = summary_text(unread.trace.summary())
-    assert f"WARNING: prompt={prompt!r} is empty after LlamaGen's caption cleaning" in line
-    assert not empty.trace.summary()["warnings"]  # an empty prompt asks for exactly that
+    assert empty.trace.summary()["unconditional"]
+    assert ", unconditional (empty prompt):" in summary_text(empty.trace.summary())
     worded = generate(model, GenerationRequest(prompt="w5 w7!"), sampling, settings, seed=2)
-    assert not worded.trace.summary()["warnings"]
+    assert not worded.trace.summary()["unconditional"]
+    assert "unconditional" not in summary_text(worded.trace.summary())
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -98,6 +98,10 @@ def test_recipe_prompt_and_structural_tokens(model):
     assert torch.equal(model.code_ids.cpu(), LUMINA2_CODE_OFFSET + torch.arange(LUMINA2_CODES))
 
 
+def test_punctuation_and_emoji_are_read_as_a_prompt(model):
+    fc.check_text_without_letters_is_read_as_a_prompt(model, GenerationRequest(prompt="a fox"))
+
+
 def test_official_resolutions_eight_pixels_per_code(model, folder):
     sizes = model.supported_resolutions()
     assert sizes[0] == (768, 768) and len(sizes) == 73 and (1536, 384) in sizes and (384, 1536) in sizes

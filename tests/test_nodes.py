@@ -260,15 +260,17 @@ def test_loader_lists_reference_first_then_the_models_folders(tmp_path, monkeypa
     assert choices == [REFERENCE, "c2i_L_384.pt", "Emu3-Gen-hf"]
 
 
-def test_loader_missing_model_says_where_to_put_it(tmp_path, monkeypatch):
+def test_loader_missing_model_says_where_to_put_it(tmp_path, monkeypatch, caplog):
     missing = tmp_path / "not-there"
     monkeypatch.setenv("SJD_MODELS_DIR", str(missing))
     with pytest.raises(FileNotFoundError) as error:
         Loader().load("Lumina-mGPT-7B-768", "auto")
     message = str(error.value)
-    for part in ("model='Lumina-mGPT-7B-768'", f"{missing} (missing)", "extra_model_paths.yaml",
-                 "README", "'reference (embedded)'"):
+    for part in ("model='Lumina-mGPT-7B-768'", "extra_model_paths.yaml", "README",
+                 "'reference (embedded)'"):
         assert part in message
+    # the folders looked in close the message: on the node's one line, or in the console log
+    assert f"{missing} (missing)" in message + caplog.text
     assert Loader.VALIDATE_INPUTS("Lumina-mGPT-7B-768") == message
     assert Loader.VALIDATE_INPUTS(REFERENCE) is True
 
@@ -310,13 +312,20 @@ def test_reference_sampler_refuses_a_prompt_it_cannot_draw(reference):
         sample(reference[0], prompt="sneaker", resolution="768x768")
 
 
-def test_reference_sampler_says_when_a_prompt_reads_as_nothing(reference):
-    """Only emoji: the image is drawn unconditionally, and the node's summary says so."""
-    _, _, line = sample(reference[0], prompt="\U0001f98a!", mode="AR")
-    assert "WARNING: prompt='\U0001f98a!' has no letters or digits" in line
-    assert "unconditionally" in line
+@pytest.mark.parametrize("prompt", ["\U0001f98a!", "!!!", "\u978b", "\u2605 \u2192"])
+def test_reference_sampler_refuses_a_prompt_that_names_nothing(reference, prompt):
+    """Emoji, punctuation, another script, symbols: no class named, refused with the class list."""
+    with pytest.raises(ValueError) as error:
+        sample(reference[0], prompt=prompt, mode="AR")
+    assert f"prompt={prompt!r} names no known class" in str(error.value)
+    assert "sneaker" in str(error.value)
+
+
+def test_reference_sampler_labels_the_empty_prompt_unconditional(reference):
+    _, _, line = sample(reference[0], prompt="", mode="AR")
+    assert "unconditional (empty prompt)" in line and "WARNING" not in line
     _, _, named = sample(reference[0], prompt="a bag", mode="AR")
-    assert "WARNING" not in named
+    assert "unconditional" not in named
 
 
 # ---------------------------------------------------------------- sampler, decode, diagnostics

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import tomllib
+import sys
 import zipfile
 from pathlib import Path
 
@@ -28,8 +29,9 @@ WEIGHTS = "sjd_core/models/reference/weights"
 # extension and node docs, the templates and their thumbnails, the template category's name.
 RUNTIME_FILES = ("__init__.py", "requirements.txt", "README.md", "LICENSE", "pyproject.toml")
 RUNTIME_FOLDERS = ("nodes", "sjd_core", "web", "workflows", "locales")
-# What stays in the repository only: the suite, the CI script, git's and comfy-cli's own lists.
-LEFT_OUT_FOLDERS = ("tests/", ".ci/")
+# What stays in the repository only: the suite, the CI script, the publish workflow, git's and
+# comfy-cli's own lists.
+LEFT_OUT_FOLDERS = ("tests/", ".ci/", ".github/")
 LEFT_OUT_FILES = (".gitignore", ".comfyignore")
 # comfy-cli's accepted values (comfy_cli/registry/config_parser.py,
 # validate_and_extract_accelerator_classifiers / validate_and_extract_os_classifiers).
@@ -148,3 +150,47 @@ def test_comfy_cli_reads_the_metadata_as_meant():
                                                              "GPU :: NVIDIA CUDA"]
     assert config.project.supported_os == ["OS Independent"]
     assert config.tool_comfy.includes == [WEIGHTS]
+
+
+RAW = "https://raw.githubusercontent.com/sjd-pack/sjd-autoregressive/main/"
+
+
+@pytest.mark.parametrize("field, wide", [("Icon", False), ("Banner", True)])
+def test_the_listings_icon_and_banner_are_images_of_this_repository(field, wide):
+    from PIL import Image
+
+    url = META["tool"]["comfy"][field]
+    assert url.startswith(RAW), url
+    with Image.open(REPO / url.removeprefix(RAW)) as image:
+        width, height = image.size
+    assert image.format == "PNG" and (width >= 3 * height if wide else width == height), url
+
+
+def test_requires_comfyui_is_the_oldest_comfyui_the_ci_runs():
+    """The oldest ComfyUI of the CI (tests/comfyui_harness.py) is older than ComfyUI's numbered
+    releases (it has no comfyui_version.py), so the floor is the first numbered release; the
+    newest ComfyUI of the CI lies above it."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import comfyui_current
+    import comfyui_harness
+
+    try:
+        oldest = comfyui_harness.comfyui_source()
+    except RuntimeError:
+        pytest.skip("the 2024 ComfyUI is not installed (python3 tests/comfyui_harness.py install)")
+    version_file = oldest / "comfyui_version.py"
+    floor = (re.search(r'"(\d+\.\d+\.\d+)"', version_file.read_text())[1]
+             if version_file.is_file() else "0.0.1")
+    assert META["tool"]["comfy"]["requires-comfyui"] == f">={floor}"
+    newest = tuple(int(part) for part in comfyui_current.COMFYUI_VERSION.split("."))
+    assert newest >= tuple(int(part) for part in floor.split("."))
+    readme = (REPO / "README.md").read_text()
+    assert f"to {comfyui_current.COMFYUI_VERSION}" in readme and "March 2024" in readme
+
+
+def test_the_publish_workflow_publishes_on_a_change_of_pyproject_in_this_repository_only():
+    workflow = (REPO / ".github" / "workflows" / "publish.yml").read_text()
+    assert "uses: Comfy-Org/publish-node-action@v1" in workflow
+    assert re.search(r"push:\s+branches: \[main\]\s+paths: \[pyproject\.toml\]", workflow)
+    assert "if: ${{ github.repository_owner == 'sjd-pack' }}" in workflow
+    assert "personal_access_token: ${{ secrets.REGISTRY_ACCESS_TOKEN }}" in workflow

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..messages import quote
+from ..messages import plural, quote
 from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
 from ..compiled import CapturedStages, CompiledStages, compile_stages
@@ -304,7 +304,7 @@ def check_batch(model: ImageTokenModel, request: GenerationRequest, sampling: Sa
     free = memory_budget(model.device)
     require(need <= free, "batch_size", request.batch_size,
              f"small enough for the generation to fit: it would take about {need / 2**30:,.1f} "
-             f"GiB ({nodes} nodes and a window of {acceleration.window} over "
+             f"GiB ({plural(nodes, 'node')} and a window of {acceleration.window} over "
              f"{model.codebook_size} codes per image, {height}x{width} codes"
              f"{', guided' if guided else ''}), and {free / 2**30:,.1f} GiB are free; draw fewer "
              "images per run, or lower the window or pd_candidates")
@@ -370,7 +370,8 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
             "window": acceleration.window, "tree_nodes": max_nodes, "seed": seed,
             "family": getattr(model, "family", "?"), "codebook_size": decoder.vocab,
             "acceleration": acceleration.__dict__.copy(), "sampling": sampling.__dict__.copy(),
-            "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings}
+            "warnings": [str(w) for w in getattr(session, "warnings", ())] + plan.warnings,
+            "unconditional": bool(getattr(session, "unconditional", False))}
     for name, compiling in compiled.items():
         meta[name] = compiling.report()
         meta["warnings"] += [meta[name]["failure"]] if meta[name]["failure"] else []

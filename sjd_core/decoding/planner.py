@@ -94,7 +94,7 @@ _SETTLE = 5  # iterations of a run not counted: slots it adds were never fed bef
 _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
-# (or a compile) the next few still run slower, by up to 80% on a CPU
+# (or a compile) the next few still run slower
 _TIMED_RUN = 12  # iterations of AR that a new profile times (and a probe run of AR)
 _OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
 _RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..files import parse_json
-from ..messages import first_line, quote
+from ..messages import first_line, plural, quote
 from .drafting import DRAFT_SOURCES
 from .verify import ACCEPTED, BONUS, COMMIT_KINDS, FORCED, RELAXED, RESIDUAL
 
@@ -310,6 +310,7 @@ class Trace:
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
             "auto_choice": self.meta.get("auto_choice"),
+            "unconditional": bool(self.meta.get("unconditional", False)),
             "vp_rises": dict(self.meta.get("vp_rises", {})),
         }
 
@@ -379,7 +380,7 @@ class Trace:
             if actual != shape:
                 raise ValueError(
                     f"trace: array {quote(name)} has shape {actual}, but the meta (grid "
-                    f"{height}x{width}, batch {batch}) and {iterations} iterations make it "
+                    f"{height}x{width}, batch {batch}) and {plural(iterations, 'iteration')} make it "
                     f"{shape}: the trace was edited or put together from different runs.")
         committed = self.committed_per_iteration
         if (committed < 0).any() or (committed.sum(0) != height * width).any():
@@ -432,7 +433,8 @@ def _checked_meta(meta: dict) -> tuple[int, int, int, list[str]]:
         raise ValueError(f"trace: meta run_id={quote(meta.get('run_id'))} is not allowed: it "
                          "must be the string the sampler wrote.")
     for name, kind, allowed in (("warnings", list, "a list of strings"),
-                                ("vp_rises", dict, "an object"), ("mode", str, "a string")):
+                                ("vp_rises", dict, "an object"), ("mode", str, "a string"),
+                                ("unconditional", bool, "true or false")):
         if name in meta and not isinstance(meta[name], kind):
             raise ValueError(f"trace: meta {name}={quote(meta[name])} is not allowed: it must "
                              f"be {allowed}.")
@@ -458,8 +460,10 @@ def shape_counts_text(shapes: dict[str, int], shown: int | None = None) -> str:
 
 def summary_text(summary: dict[str, Any]) -> str:
     """One human line from :meth:`Trace.summary`; the shapes fed when there were several."""
-    text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}: "
-            f"{summary['nfe']:.0f} forward passes for {summary['slots_per_image']} codes "
+    text = (f"{summary['mode']}{'' if summary['lossless'] else ' (LOSSY)'}"
+            f"{', unconditional (empty prompt)' if summary.get('unconditional') else ''}: "
+            f"{plural(round(summary['nfe']), 'forward pass', 'forward passes')} for "
+            f"{plural(summary['slots_per_image'], 'code')} "
             f"(step compression {summary['step_compression']:.2f}x, mean accepted length "
             f"{summary['mean_accepted_length']:.2f}), {summary['total_seconds']:.2f} s")
     shapes = summary.get("shapes", {})

@@ -22,9 +22,10 @@ features come from, in order:
 2. a T5 encoder folder next to the weights (``flan-t5-xl/`` or ``t5-ckpt/flan-t5-xl/``, a
    transformers ``T5EncoderModel`` with its tokenizer), run on ``request.prompt`` after the
    official caption cleaning (:func:`~sjd_core.models.llamagen_caption.clean_caption`: lower case,
-   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling; a prompt the
-   cleaning empties (only punctuation or symbols) draws from an empty caption, and the run's
-   summary warns of it.
+   no URLs or HTML, ...), as LlamaGen's T5 embedder does in training and sampling. An empty
+   prompt draws from the empty caption, without a description (the run's summary calls it
+   unconditional); a non-empty prompt that the cleaning empties (only punctuation or symbols)
+   is refused before any work.
 
 Anything else is refused with a message saying so. The prompt of a t2i model is not tokenised by
 the GPT itself: there is no text vocabulary in it.
@@ -242,24 +243,30 @@ class LlamaGenModel:
 
     def start(self, request: GenerationRequest) -> HFSession:
         grid = self.grid_for(request.resolution)
+        empty = self.spec.kind == "t2i" and self._caption_is_empty(request)
         if self.spec.kind == "c2i":
             cond, uncond = self._class_contexts(request)
         else:
             cond, uncond = self._caption_contexts(request)
         session = HFSession(self.parts(), cond, uncond, grid, request.max_nodes)
-        session.warnings = self._unread_prompt_warnings(request)
+        session.unconditional = empty
         return session
 
-    def _unread_prompt_warnings(self, request: GenerationRequest) -> list[str]:
-        """A warning when T5 read the prompt and its caption cleaning left nothing of it (only
-        punctuation, say): the image is then drawn from an empty caption, as for no prompt."""
+    def _caption_is_empty(self, request: GenerationRequest) -> bool:
+        """Whether T5 is to read an empty caption (an empty prompt: drawn without a description);
+        a prompt that the caption cleaning empties (only punctuation, say) is refused before the
+        T5 encoder loads."""
         prompt = request.prompt
-        if (self.spec.kind == "c2i" or "caption_embeddings" in (request.extra or {})
-                or not isinstance(prompt, str) or not prompt.strip() or clean_caption(prompt)):
-            return []
-        return [f"prompt={quote(prompt)} is empty after LlamaGen's caption cleaning (which drops "
-                "many punctuation marks and symbols), so the image was drawn from an empty "
-                "caption, as without a prompt; describe the image in words."]
+        if "caption_embeddings" in (request.extra or {}) or not isinstance(prompt, str):
+            return False
+        if not prompt.strip():
+            return True
+        if not clean_caption(prompt):
+            raise ValueError(f"prompt={quote(prompt)} is empty after LlamaGen's caption cleaning "
+                             "(which drops URLs, HTML and many punctuation marks and symbols), so it "
+                             "describes nothing to draw: describe the image in words, or leave the "
+                             "prompt empty to draw without a description.")
+        return False
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

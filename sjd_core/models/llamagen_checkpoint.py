@@ -36,7 +36,7 @@ from transformers import JanusVQVAE, JanusVQVAEConfig, LlamaConfig
 
 from ..command_line import ArgumentParser, run_command
 from ..files import json_field, present_regular_file, read_text, require_regular_file
-from ..messages import first_line, quote
+from ..messages import first_line, quote, unpickling_problem
 from .family_common import read_json
 from .llamagen_modules import LlamaGenTransformer
 from .weights import DeviceMap, load_transformers_model
@@ -100,7 +100,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             loaded = torch.load(path, map_location="cpu", weights_only=True,
                                 mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as error:
-        refused_code, reason = _unpickler_reason(error)
+        refused_code, reason = unpickling_problem(error)
         if not refused_code:
             raise ValueError(f"LlamaGen weights file {quote(str(path))} cannot be read as a PyTorch "
                              f"checkpoint ({reason}): it is truncated or damaged; download it "
@@ -126,21 +126,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"LlamaGen weights file {quote(str(path))} holds no state dict: expected a dict of "
                          f"tensors, or one under 'model', 'module' or 'state_dict'.")
     return state
-
-
-def _unpickler_reason(error: pickle.UnpicklingError) -> tuple[bool, str]:
-    """(whether torch's weights-only loader refused a global, i.e. code or a custom class; the
-    part of its message that says what it refused)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    marker = "WeightsUnpickler error:"
-    for line in lines:
-        if "GLOBAL" in line:  # the pickle opcode that names a class or function to import
-            return True, line.split(marker)[-1].strip()
-    for index, line in enumerate(lines):
-        if marker in line:
-            rest = line.split(marker, 1)[1].strip() or next(iter(lines[index + 1:]), "")
-            return False, rest or first_line(error)
-    return False, first_line(error)
 
 
 def image_size_from_name(name: str) -> int | None:

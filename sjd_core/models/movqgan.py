@@ -28,7 +28,7 @@ from torch import nn
 
 from ..command_line import ArgumentParser, new_file, run_command
 from ..files import require_regular_file
-from ..messages import first_line, quote
+from ..messages import first_line, quote, unpickling_problem
 
 PROG = "python -m sjd_core.models.movqgan"
 
@@ -198,7 +198,7 @@ def read_movqgan_state(file: Path) -> dict[str, torch.Tensor]:
     try:
         blob = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle errors of many kinds: a file that is not plain tensors
-        raise ValueError(f"Could not read {quote(str(file))} as a weights-only checkpoint ({first_line(err)}); it must "
+        raise ValueError(f"Could not read {quote(str(file))} as a weights-only checkpoint ({unpickling_problem(err)[1]}); it must "
                          "be the released movqgan_270M.ckpt (tensors only, nothing executable).") from err
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -46,9 +46,11 @@ before the first forward; the session then runs its network compiled, and the ob
 tells the trace how that went (``report()``: shapes compiled, shapes run uncompiled, a failure)
 and counts the calls that compiled (``compilations``: ``auto`` does not time those iterations).
 
-Warnings: a session may carry ``warnings``, a list of sentences about how the request was read
-(for example a prompt that named nothing the model reads); the engine copies them into the
-trace, and the run's summary shows them.
+Warnings: a session may carry ``warnings``, a list of sentences about how the request was read;
+the engine copies them into the trace, and the run's summary shows them. A session whose images
+are drawn without any prompt (an empty prompt where the family documents that as unconditional)
+sets ``unconditional = True``, and the summary says so. A non-empty prompt that the family reads
+as nothing is refused by ``start`` before any work, never drawn unconditionally.
 """
 
 from __future__ import annotations

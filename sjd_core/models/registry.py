@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..files import describe_entry
-from ..messages import first_line, quote
+from ..messages import first_line, missing_library, quote
 from . import chameleon, emu3, janus, llamagen, lumina2, reference
 from .family_common import read_json
 from .protocol import ImageTokenModel
@@ -78,8 +78,9 @@ def family_of(path: str | os.PathLike) -> Family:
     for name in DESCRIPTIONS:
         read_json(p / name)  # a damaged description says so, instead of "no known family"
     listing = "\n".join(f"  - {f.name}: {f.expects}" for f in FAMILIES)
-    raise ValueError(f"{quote(str(p))} is not a checkpoint of a known model family. Known families "
-                     f"and what each expects on disk:\n{listing}")
+    names = ", ".join(f.name for f in FAMILIES)
+    raise ValueError(f"{quote(str(p))} is not a checkpoint of a known model family ({names}). "
+                     f"Known families and what each expects on disk:\n{listing}")
 
 
 def resolutions_on_disk(path: str | os.PathLike) -> tuple[str, list[tuple[int, int]]]:
@@ -128,6 +129,14 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     p = Path(path).expanduser()
     try:
         return family.build(p, device=device, dtype=dtype, device_map=device_map, weights=weights)
+    except ImportError as error:
+        package = missing_library(error)
+        if package is None:
+            raise
+        raise ImportError(f"Loading the {family.name} checkpoint {quote(str(p))} needs the "
+                          f"{package} package, which is not installed: install it with "
+                          f"`python -m pip install {package}` (in the Python that runs ComfyUI or "
+                          "the pack's tools), then start again.") from error
     except Exception as error:
         if type(error).__module__.split(".")[0] not in LIBRARIES:
             raise  # the pack's own errors already say what to do

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..files import read_text
-from ..messages import first_line, quote
+from ..messages import first_line, quote, unpickling_problem
 
 __all__ = ["VQGANConfig", "VQGANDecoder", "load_vqgan_decoder"]
 
@@ -166,7 +166,7 @@ def load_vqgan_decoder(config_file: Path, checkpoint_file: Path, device: torch.d
     try:
         blob = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle errors of many kinds: a file that is not plain tensors
-        raise ValueError(f"Could not read {quote(str(checkpoint_file))} as a weights-only checkpoint ({err}); "
+        raise ValueError(f"Could not read {quote(str(checkpoint_file))} as a weights-only checkpoint ({unpickling_problem(err)[1]}); "
                          "it must be the original Chameleon vqgan.ckpt (tensors only, nothing executable).") from err
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict):

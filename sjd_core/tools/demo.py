@@ -185,6 +185,7 @@ def _run(args: argparse.Namespace) -> dict:
     runs = _runs(args, model, device)
     requests = [GenerationRequest(prompt=p, batch_size=args.batch, guidance=sampling.guidance)
                 for p in args.prompt]
+    check_prompts(model, requests)
     # Warm-up (one-time allocations, lazy initialisation, compiling the batch's shapes) so no
     # timed run pays for it.
     compiled = runs.fast.compiles_on(device)
@@ -280,6 +281,13 @@ def _report(runs: Runs, result: GenerationResult, batches: str,
     print(f"speed-up over AR: {report['speedup']:.2f}x wall-clock (against the faster AR), "
           f"{totals['ar'][1] / totals['fast'][1]:.2f}x fewer forward passes")
     return report
+
+
+def check_prompts(model, requests: list) -> None:
+    """Start (and drop) a session for every prompt, so that a prompt the model refuses stops
+    the run before any image is drawn, not after the ones before it."""
+    for request in requests:
+        model.start(request)
 
 
 def main(argv: list[str] | None = None) -> dict:

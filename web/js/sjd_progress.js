@@ -46,12 +46,13 @@ function findNode(id) {
   return node;
 }
 
-// The height ``element`` needs to show all of its text: measured once it is laid out (reading it
-// makes the page lay itself out at once, which costs a frame's work in the Vue-nodes mode), else,
-// or when ``estimate`` is set, estimated from its text and the node's width.
-function textHeight(element, node, estimate = false) {
+// The height ``element`` needs to show all of its text: one line for a line that does not wrap,
+// else measured once it is laid out (reading it makes the page lay itself out at once, which costs
+// a frame's work in the Vue-nodes mode), else estimated from its text and the node's width.
+function textHeight(element, node) {
   if (element.hidden) return 0;
-  if (!estimate && element.getClientRects().length) return element.scrollHeight;
+  if (element.style.whiteSpace === "nowrap") return LINE;
+  if (element.getClientRects().length) return element.scrollHeight;
   const width = Math.max((node.size?.[0] ?? 300) - 2 * MARGIN, 100);
   const perLine = Math.max(Math.floor(width / CHAR), 10);
   const lines = element.textContent
@@ -62,8 +63,8 @@ function textHeight(element, node, estimate = false) {
 
 // A DOM widget as tall as its parts need (``parts()`` lists their heights), so no text is cut:
 // the canvas places the element ``MARGIN`` inside a slot of the height asked for. The canvas asks
-// that height every frame, so it is measured only when the content changes (``box.measure()``)
-// or the box's width does (text wraps anew); ``onWidth`` is called then too.
+// that height every frame, so it is measured only when the content's height may change
+// (``box.measure()``) or the box's width does (text wraps anew); ``onWidth`` is called then too.
 function makeBox(node, name, parts, onWidth) {
   const box = document.createElement("div");
   box.className = name.replace("_", "-");
@@ -71,10 +72,9 @@ function makeBox(node, name, parts, onWidth) {
     "display:flex;flex-direction:column;gap:2px;width:100%;box-sizing:border-box;overflow:hidden;" +
     "font:11px monospace;color:var(--input-text,#ddd);";
   let height = 0;
-  // Measure again (``estimate``: without making the page lay itself out); returns whether the
-  // height changed.
-  box.measure = (estimate = false) => {
-    const heights = parts(estimate).filter((h) => h > 0);
+  // Measure again; returns whether the height changed.
+  box.measure = () => {
+    const heights = parts().filter((h) => h > 0);
     const needed = heights.length // nothing to show: no room taken
       ? heights.reduce((a, b) => a + b, 0) + GAP * (heights.length - 1) + 2 * MARGIN
       : 0;
@@ -206,10 +206,10 @@ class SamplerChart {
     this.box = makeBox(
       node,
       "sjd_chart",
-      (estimate) => [
+      () => [
         this.errorLine?.height() ?? 0,
         CHART_HEIGHT,
-        this.status ? Math.max(textHeight(this.status, node, estimate), LINE) : LINE,
+        this.status ? Math.max(textHeight(this.status, node), LINE) : LINE,
       ],
       () => {
         this.width = Math.max(this.canvas.clientWidth, 50);
@@ -220,11 +220,12 @@ class SamplerChart {
     this.canvas.style.cssText = `width:100%;height:${CHART_HEIGHT}px;background:#1b1b1b;border-radius:4px;flex:none;`;
     this.status = document.createElement("div");
     this.status.className = "sjd-status";
-    this.status.style.cssText = "white-space:pre-wrap;overflow-wrap:anywhere;flex:none;";
+    this.status.style.cssText = "white-space:pre-wrap;overflow-wrap:anywhere;overflow:hidden;flex:none;";
     this.box.append(this.canvas, this.status);
     this.errorLine = new ErrorLine(node, this.box);
     this.error = this.errorLine.line;
     this.frame = null;
+    this.live = null; // the running step's line, shown at the next animation frame
     this.width = 300; // the chart's width in CSS pixels, kept by the box's ResizeObserver
     this.reset();
     const last = node.properties?.sjd_last;
@@ -245,12 +246,13 @@ class SamplerChart {
     this.committed = 0;
     this.total = 0;
     this.text = "";
+    this.live = null;
   }
 
   start() {
     this.reset();
     this.clear();
-    this.setStatus("running...");
+    this.setStatus("running...", true);
   }
 
   clear() {
@@ -268,17 +270,19 @@ class SamplerChart {
   }
 
   // One message covers every step since the previous one: ``steps`` holds their mean accepted
-  // lengths, oldest first, and ``iteration`` is the last one's number.
+  // lengths, oldest first, and ``iteration`` is the last one's number. The chart and the running
+  // line are drawn at the next animation frame, once however many messages came before it; the
+  // running line does not wrap, so the node keeps its size for the whole run.
   progress(detail) {
     for (const value of detail.steps ?? []) this.accepted.push(value);
     this.committed = detail.committed.reduce((a, b) => a + b, 0);
     this.total = detail.total * detail.committed.length;
     const mean = this.accepted.reduce((a, b) => a + b, 0) / Math.max(this.accepted.length, 1);
-    this.setStatus(
+    this.live =
       `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
-        `mean ${mean.toFixed(2)} per step`,
-      true
-    );
+      `mean ${mean.toFixed(2)} per step`;
+    if (this.status.style.whiteSpace !== "nowrap") this.setStatus(this.live, true);
+    this.scheduleDraw();
   }
 
   finish(text, accepted) {
@@ -294,19 +298,24 @@ class SamplerChart {
     this.setStatus(`${label}: ${last.text ?? ""}`);
   }
 
-  // Show ``text`` under the chart; the node grows when it needs more lines (``estimate``: counted
-  // from the text's length, for the running step's line, which changes several times a second).
-  setStatus(text, estimate = false) {
+  // Show ``text`` under the chart (``running``: on one line that does not wrap); the node grows
+  // when it needs more lines.
+  setStatus(text, running = false) {
+    this.live = null;
+    this.status.style.whiteSpace = running ? "nowrap" : "pre-wrap";
+    this.status.style.textOverflow = running ? "ellipsis" : "";
     this.status.textContent = text;
     this.scheduleDraw();
-    if (this.box.measure(estimate)) fit(this.node);
+    if (this.box.measure()) fit(this.node);
   }
 
-  // Draw at the next animation frame, once however many messages arrive before it.
+  // Draw (and show the running line) at the next animation frame, once however many messages
+  // arrive before it.
   scheduleDraw() {
     if (this.frame !== null) return;
     this.frame = requestAnimationFrame(() => {
       this.frame = null;
+      if (this.live !== null) this.status.textContent = this.live;
       this.draw();
     });
   }

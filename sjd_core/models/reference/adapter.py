@@ -26,7 +26,7 @@ from ..protocol import GenerationRequest, MemoryShape, SamplingDefaults
 from . import codebook as cb
 from ...files import json_field, read_json_object
 from ...messages import quote
-from .prompts import ClassVocabulary, unread
+from .prompts import ClassVocabulary
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DESCRIPTION = "reference.json"
@@ -158,15 +158,14 @@ class ReferenceModel:
                              f"batch_size={batch} prompts, one per image.")
         names = ([f"prompt[{i}]" for i in range(batch)] if "prompts" in request.extra
                  else ["prompt"] * batch)
-        cond = [Context(ids=self._token(self.class_of(p, name))) for p, name in zip(prompts, names)]
-        read = list(dict(zip(names, prompts)).items())
+        classes = [self.class_of(p, name) for p, name in zip(prompts, names)]
+        cond = [Context(ids=self._token(index)) for index in classes]
         uncond = None
         if request.guidance != 1.0:
             negative = self.class_of(request.negative_prompt, "negative_prompt")
             uncond = [Context(ids=self._token(negative)) for _ in range(batch)]
-            read.append(("negative_prompt", request.negative_prompt))
         session = HFSession(self.parts, cond, uncond, self.grid, request.max_nodes)
-        session.warnings = [w for name, text in read if (w := unread(text, name))]
+        session.unconditional = all(index is None for index in classes)
         return session
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,10 @@ The rule, in order:
 
 1. The prompt is lower-cased, ``-``/``_``/``/`` become spaces and other punctuation is dropped,
    and runs of spaces collapse (so ``"T-Shirt"``, ``"t shirt"`` and ``"  T_shirt! "`` are alike).
-2. An empty prompt means *no class*: the unconditional (null) context, the one classifier-free
-   guidance uses. A prompt that step 1 reduces to nothing (only punctuation or emoji) is drawn
-   the same way, and the run's summary carries a warning saying so (:func:`unread`).
+2. An empty prompt (or one of spaces only) means *no class*: the unconditional (null) context,
+   the one classifier-free guidance uses; the run's summary calls the image unconditional. Any
+   other prompt must name a class: one that step 1 reduces to nothing (punctuation, emoji,
+   symbols, letters of another script) names no known class and is refused by step 4.
 3. Otherwise every class name and synonym below is looked for as whole words in the prompt
    (``"a red sneaker on grey"`` finds ``sneaker``). Where two found phrases overlap, the longer
    wins (``"t shirt"`` beats ``"shirt"``).
@@ -45,15 +46,6 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def unread(prompt: str, input_name: str) -> str | None:
-    """A warning when a non-empty prompt holds nothing the rule reads (so it draws no class)."""
-    if isinstance(prompt, str) and prompt.strip() and not normalise(prompt):
-        return (f"{input_name}={quote(prompt)} has no letters or digits the reference model "
-                "reads, so it was drawn without a class (unconditionally); name one of its "
-                "classes to draw that class.")
-    return None
-
-
 class ClassVocabulary:
     """Maps prompts to class indices with the rule of this module."""
 
@@ -78,9 +70,9 @@ class ClassVocabulary:
         if not isinstance(prompt, str):
             raise ValueError(f"{input_name}={quote(prompt)} is not allowed: it must be a string naming "
                              f"one class: {self.accepted()}.")
-        text = f" {normalise(prompt)} "
-        if not text.strip():
+        if not prompt.strip():
             return None
+        text = f" {normalise(prompt)} "
         found: set[int] = set()
         for phrase, index in self._phrases:
             key = f" {phrase} "
@@ -90,7 +82,7 @@ class ClassVocabulary:
         if len(found) != 1:
             problem = "names no known class" if not found else (
                 "names several classes (" + ", ".join(self.names[i] for i in sorted(found)) + ")")
-            raise ValueError(f"{input_name}={quote(prompt)} {problem}. The reference model draws one "
-                             f"Fashion-MNIST class per image; the prompt must contain exactly one "
-                             f"of these names or synonyms: {self.accepted()}.")
+            raise ValueError(f"{input_name}={quote(prompt)} {problem}: the reference model draws one "
+                             f"Fashion-MNIST class per image; name exactly one of "
+                             f"{', '.join(self.names)} (or a synonym of one: {self.accepted()}).")
         return found.pop()
