@@ -128,7 +128,7 @@ def test_every_speculative_shape_is_priced_by_the_line_through_the_measured_time
 
 
 def test_a_new_profile_opens_with_ar_and_short_windows_then_probes_the_longest():
-    """A new profile starts from AR: it times AR for 12 iterations, then the short window (4) and
+    """A new profile starts from AR: it times AR for 30 iterations, then the short window (4) and
     the middle one (16) for 12 each, counting their drafts; then the longest window runs for
     30 iterations, where the learning budget covers them (here every shape costs 10 ms and
     drafts pass, so it does). The interval to the next run is set when a run ends, from the
@@ -136,13 +136,13 @@ def test_a_new_profile_opens_with_ar_and_short_windows_then_probes_the_longest()
     plan = plan_for(lambda iteration: 0.010, adaptive_tree=False, proactive_drafting=False)
     assert plan.counted_from == 4 and plan.current == 0
     fed = []
-    while len(fed) < 66:
+    while len(fed) < 84:
         tree = plan.choose()
         fed.append(describe_shape(tree))
         plan.observe(tree, [0], [1 if tree.window == 1 else 4], True, (0, 0))
-    assert fed[:36] == ["AR"] * 12 + ["window 4"] * 12 + ["window 16"] * 12
+    assert fed[:54] == ["AR"] * 30 + ["window 4"] * 12 + ["window 16"] * 12
     assert plan.profile.at_risk[1:4].min() > 0  # the opening's windows counted their drafts
-    assert fed[36:66] == ["window 32"] * 30
+    assert fed[54:84] == ["window 32"] * 30
     assert plan.profile.until_probe is None
     plan.choose()
     assert plan.profile.until_probe > 0
@@ -166,6 +166,7 @@ def test_a_run_of_the_longest_window_is_skipped_where_even_luck_would_not_make_i
     slope = 0.001 if steep else 0.00002
     plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * slope, 16: 0.010 + 16 * slope}
     plan.profile.probes_made, plan.profile.until_probe = 3, 1  # the next run: the chain's
+    plan.profile.windows_run = 2
     chosen = describe_shape(plan.choose())
     assert plan.profile.probes_made == 4
     if steep:
@@ -247,9 +248,9 @@ def test_a_window_timed_once_while_the_machine_was_busy_is_still_probed():
 def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fed():
     """AR's usual time was pushed up by a busy spell, so a window looks faster and is fed, and
     AR, no longer fed, would never be timed again. AR takes its turn among the probes: where
-    its fastest time could beat the best shape, it runs for 12 iterations (timed from the
+    the budget covers it, it runs for 30 iterations (timed from the
     fourth), and its usual time moves back."""
-    times = [0.003] * 12
+    times = [0.003] * 30
     plan = learnt(plan_for(lambda i: times[i] if i < len(times) else None, adaptive_tree=False,
                            proactive_drafting=False), [0.85], 0.0)
     for seconds in (0.003, 0.012, 0.012, 0.012, 0.012):
@@ -260,33 +261,34 @@ def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fe
     plan.current, plan.image_codes = window_2, 2304
     assert plan._rates().argmax() == window_2
     plan.profile.probes_made, plan.profile.until_probe = 1, 1  # next in turn: AR
-    fed = [plan.choose() for _ in range(12)]
-    assert [describe_shape(tree) for tree in fed] == ["AR"] * 12
+    fed = [plan.choose() for _ in range(30)]
+    assert [describe_shape(tree) for tree in fed] == ["AR"] * 30
     assert plan.profile.seconds[1] == 0.012
     for tree in fed:
         plan.observe(tree, [0], [1], False, (0, 0))
     assert plan.profile.seconds[1] == 0.003
 
 
-def test_a_probe_the_budget_cannot_cover_waits_and_is_not_counted_as_made():
+def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     """A hopeful run whose expected charge would take learning past 5% of the generation's time
-    is postponed (by ``_REESTIMATE`` iterations); once the generation's time has grown it runs,
-    cut to what the budget covers."""
+    is not made: its turn passes to the next probe, ``_REESTIMATE`` iterations later. Once the
+    generation's time has grown, the window's next turn runs."""
     plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.85], 0.0)
     plan.profile.at_risk[2:] = 0.0  # depths past 1 never reached: window 32 may be lucky
     plan.profile.stopped[2:] = 0.0
     plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.014, 16: 0.026}
     plan.profile.probes_made, plan.profile.until_probe = 2, 1  # next: the chain (then AR)
+    plan.profile.windows_run = 1
     plan.current, plan.image_codes = 0, 2304
     window = plan.shapes.index(plan.probes[0])
     assert plan._rates().argmax() == 0 < plan._optimistic_rates()[window] - plan._rates().max()
     plan.learning_cost = 0.05 * 2304 * 0.010  # the image's budget, spent
     assert describe_shape(plan.choose()) == "AR" and plan.profile.until_probe == planner._REESTIMATE
-    assert plan.profile.probes_made == 2
+    assert plan.profile.probes_made == 3 and plan.profile.windows_run == 1
     plan.elapsed = 100.0  # much later: the budget has grown
-    plan.profile.until_probe = 1
+    plan.profile.probes_made, plan.profile.until_probe = 4, 1
     assert describe_shape(plan.choose()) == "window 32" and len(plan.queue) == 9
-    assert plan.profile.probes_made == 3
+    assert plan.profile.probes_made == 5 and plan.profile.windows_run == 2
 
 
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():

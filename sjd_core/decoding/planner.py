@@ -95,7 +95,9 @@ _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
 # (or a compile) the next few still run slower
-_TIMED_RUN = 12  # iterations of AR that a new profile times (and a probe run of AR)
+_TIMED_RUN = 30  # iterations of each run of AR that learns (the opening's and the probes'):
+# on a CPU AR's first 15 to 25 steps after other work run up to twice as slow, and its seconds are
+# the median of the last nine
 _OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
 _RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
@@ -128,7 +130,8 @@ class _Profile:
     opened: bool = False  # the opening runs were queued (see AutoPlan)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
-    probes_made: int = 0  # runs of the longest window so far (they alternate: chain, tree)
+    probes_made: int = 0  # probe turns so far (in turn: the longest window, its tree, AR)
+    windows_run: int = 0  # probe runs of the longest window or its tree made so far
     current: int = -1  # index of the shape the last generation ended with
 
     def __post_init__(self) -> None:
@@ -232,19 +235,20 @@ class AutoPlan:
       last nine times; its fastest time is kept too.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is
       charged its seconds beyond what the best shape would have taken for the codes it
-      committed. A new profile opens with AR, then the short window (4) and the middle one,
-      12 iterations each: the times of two window sizes and the first counts. Then
-      the longest window, in turn with and without its full tree, runs now and then for 10
-      iterations (the first time 30; its counts replace the opening's, made on short windows
-      in the top rows, which underrate long windows), on an interval set from what the last
-      run measured
-      (longer the slower it was than the best shape, and growing with the square root of the
-      runs made). A run is skipped where it could not beat the best shape even with the luckiest
-      acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
-      postponed, or cut short, where its expected charge would take learning past 5% of the
-      generation's time (so far, plus the rest of the image at the best rate): learning costs at
-      most ``_LEARNING_SHARE`` of every generation, the opening included, give or take what one
-      run turns out to cost beyond its estimate.
+      committed. A new profile opens with AR (30 iterations: on a CPU AR's first steps after
+      other work run slower), then the short window (4) and the middle one (12 each): the times
+      of two window sizes and the first counts. Then probe turns come, in turn the longest
+      window, its full tree and AR (not timed otherwise while a window is fed), on an interval
+      set from what the last one measured (longer the slower it was than the best shape, and
+      growing with the square root of the turns so far). A window's run is 10 iterations (the
+      first 30; its counts replace the opening's, made on short windows in the top rows, which
+      underrate long windows), and is skipped where it could not beat the best shape even with
+      the luckiest acceptance the counts allow at its fastest time
+      (:meth:`_optimistic_rates`). A run is cut short, or not made (the turn passes, and the
+      next comes 8 iterations later), where its expected charge would take learning past 5% of
+      the generation's time (so far, plus the rest of the image at the best rate): learning
+      costs at most ``_LEARNING_SHARE`` of every generation, the opening included, give or take
+      what one run turns out to cost beyond its estimate.
     - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
       promises 5% more than the current one; that is plain autoregression wherever no window
       pays, and a new profile starts from it.
@@ -399,26 +403,27 @@ class AutoPlan:
                 and all(shape is not other for other in to_be_fed)]
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
-        """The next probe run: in turn the longest window, its tree and AR (which, while
-        another shape is fed, is not timed otherwise). None where the shape is fed anyway or
-        could not beat the best one even if it were as lucky as what was counted allows (the
-        run counts as made); none yet, or a shorter one, where the learning budget does not
-        cover it (:meth:`_affordable`)."""
+        """The next probe turn's run: in turn the longest window, its tree and AR (which, while
+        another shape is fed, is not timed otherwise). None where the shape is fed anyway or, a
+        window, could not beat the best one even if it were as lucky as what was counted allows;
+        none yet where the learning budget does not cover the run (:meth:`_affordable`: the turn
+        passes, and the next comes ``_REESTIMATE`` iterations later), or a shorter one."""
         profile = self.profile
         probe = self.rotation[profile.probes_made % len(self.rotation)]
         index = self.shapes.index(probe)
-        if index == self.current or self._optimistic_rates()[index] < rates.max():
-            profile.probes_made, profile.until_probe = profile.probes_made + 1, None
+        profile.probes_made, profile.until_probe = profile.probes_made + 1, None
+        if index == self.current or probe.window > 1 and \
+                self._optimistic_rates()[index] < rates.max():
             return []
         shortest = _TIMED_RUN if probe.window == 1 else _PROBE_RUN
-        length = _FIRST_PROBE_RUN if profile.probes_made == 0 else shortest
-        length = min(length, self._affordable(index, rates))
+        first = probe.window > 1 and profile.windows_run == 0
+        length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(index, rates))
         if length < shortest:  # too few to learn from: later, when the budget has grown
             profile.until_probe = _REESTIMATE
             return []
-        if profile.probes_made == 0:  # the opening's counts, made on short windows in the top
-            profile.at_risk[:], profile.stopped[:] = 0.0, 0.0  # rows, underrate long windows
-        profile.probes_made, profile.until_probe = profile.probes_made + 1, None
+        if first:  # the opening's counts, made on short windows in the top rows, underrate
+            profile.at_risk[:], profile.stopped[:] = 0.0, 0.0  # long windows
+        profile.windows_run += probe.window > 1
         return [probe] * length
 
     def _affordable(self, index: int, rates: np.ndarray) -> int:
