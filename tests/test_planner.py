@@ -128,7 +128,7 @@ def test_every_speculative_shape_is_priced_by_the_line_through_the_measured_time
 
 
 def test_a_new_profile_opens_with_ar_and_short_windows_then_probes_the_longest():
-    """A new profile starts from AR: it times AR for 30 iterations, then the short window (4) and
+    """A new profile starts from AR: it times AR for 12 iterations, then the short window (4) and
     the middle one (16) for 12 each, counting their drafts; then the longest window runs for
     30 iterations, where the learning budget covers them (here every shape costs 10 ms and
     drafts pass, so it does). The interval to the next run is set when a run ends, from the
@@ -136,13 +136,13 @@ def test_a_new_profile_opens_with_ar_and_short_windows_then_probes_the_longest()
     plan = plan_for(lambda iteration: 0.010, adaptive_tree=False, proactive_drafting=False)
     assert plan.counted_from == 4 and plan.current == 0
     fed = []
-    while len(fed) < 84:
+    while len(fed) < 66:
         tree = plan.choose()
         fed.append(describe_shape(tree))
         plan.observe(tree, [0], [1 if tree.window == 1 else 4], True, (0, 0))
-    assert fed[:54] == ["AR"] * 30 + ["window 4"] * 12 + ["window 16"] * 12
+    assert fed[:36] == ["AR"] * 12 + ["window 4"] * 12 + ["window 16"] * 12
     assert plan.profile.at_risk[1:4].min() > 0  # the opening's windows counted their drafts
-    assert fed[54:84] == ["window 32"] * 30
+    assert fed[36:66] == ["window 32"] * 30
     assert plan.profile.until_probe is None
     plan.choose()
     assert plan.profile.until_probe > 0

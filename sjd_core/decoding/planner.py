@@ -95,9 +95,9 @@ _PRIOR_HAZARD = 0.3  # rejection rate assumed before any draft was tested
 _TIMING_SETTLE = 3  # iterations of a run that are not timed: a shape's first forward in a
 # process or after the prefill can take several times its usual time, and after a switch of shape
 # (or a compile) the next few still run slower
-_TIMED_RUN = 30  # iterations of each run of AR that learns (the opening's and the probes'):
-# on a CPU AR's first 15 to 25 steps after other work run up to twice as slow, and its seconds are
-# the median of the last nine
+_TIMED_RUN = 12  # iterations of AR that a new profile times
+_AR_PROBE_RUN = 30  # iterations of a probe run of AR: on a CPU AR's first 15 to 25 steps after
+# other work run up to twice as slow, and its seconds are the median of the last nine
 _OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
 _RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
@@ -235,12 +235,12 @@ class AutoPlan:
       last nine times; its fastest time is kept too.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is
       charged its seconds beyond what the best shape would have taken for the codes it
-      committed. A new profile opens with AR (30 iterations: on a CPU AR's first steps after
-      other work run slower), then the short window (4) and the middle one (12 each): the times
-      of two window sizes and the first counts. Then probe turns come, in turn the longest
+      committed. A new profile opens with AR, then the short window (4) and the middle one,
+      12 iterations each: the times of two window sizes and the first counts. Then probe turns come, in turn the longest
       window, its full tree and AR (not timed otherwise while a window is fed), on an interval
       set from what the last one measured (longer the slower it was than the best shape, and
-      growing with the square root of the turns so far). A window's run is 10 iterations (the
+      growing with the square root of the turns so far). AR's run is 30 iterations (on a CPU its
+      first steps after other work run slower), a window's 10 (the
       first 30; its counts replace the opening's, made on short windows in the top rows, which
       underrate long windows), and is skipped where it could not beat the best shape even with
       the luckiest acceptance the counts allow at its fastest time
@@ -415,7 +415,7 @@ class AutoPlan:
         if index == self.current or probe.window > 1 and \
                 self._optimistic_rates()[index] < rates.max():
             return []
-        shortest = _TIMED_RUN if probe.window == 1 else _PROBE_RUN
+        shortest = _AR_PROBE_RUN if probe.window == 1 else _PROBE_RUN
         first = probe.window > 1 and profile.windows_run == 0
         length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(index, rates))
         if length < shortest:  # too few to learn from: later, when the budget has grown
