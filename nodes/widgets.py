@@ -71,8 +71,9 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                                 0.0, 100.0, 0.01),
     "adaptive_shape": ("AUTO, cost-aware: each step picks the window or draft tree expected to "
                        "commit the most codes per second on this machine, from the speed and "
-                       "acceptance it measured; the sampler's window is then the longest it may "
-                       "use. Lossless.", None, None, None),
+                       "acceptance it measured, plain autoregression where no window pays "
+                       "(learning costs at most 5% of a run); the sampler's window is then the "
+                       "longest it may use. Lossless.", None, None, None),
     "adaptive_tree": ("AUTO with PD: try every tree up to K candidates and depth D, with fewer "
                       "candidates where guesses pass more often, and feed the one expected to "
                       "pay most; off: only the full K x D tree. Lossless.", None, None, None),
