@@ -232,6 +232,26 @@ def test_a_plan_on_plain_autoregression_skips_runs_that_could_not_pay():
     assert fed == ["AR"] * 500 and plan.profile.probes_made > 1
 
 
+def test_the_first_run_of_the_longest_window_is_judged_by_the_budget_alone():
+    """After the opening, counts made on windows 4 and 16 in the top rows say that drafts fail
+    at 40% at every depth they reached, so window 32 could not pay even with luck. Those counts
+    underrate long windows: the first run of window 32 is made all the same (30 iterations, the
+    budget covering them) and its counts replace the opening's; a later run on such counts
+    would be skipped."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    plan.profile.opened, plan.image_codes = True, 2304
+    plan.profile.at_risk[1:16], plan.profile.stopped[1:16] = 10.0, 4.0
+    plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.011, 16: 0.013}
+    window = plan.shapes.index(plan.probes[0])
+    assert plan._optimistic_rates()[window] < plan._rates().max()
+    assert describe_shape(plan.choose()) == "window 32" and len(plan.queue) == 29
+    assert plan.profile.at_risk.sum() == plan.profile.stopped.sum() == 0.0
+    plan.queue.clear()
+    plan.profile.at_risk[1:16], plan.profile.stopped[1:16] = 10.0, 4.0
+    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # the chain's turn again
+    assert describe_shape(plan.choose()) != "window 32" and plan.profile.probes_made == 3
+
+
 def test_a_window_timed_once_while_the_machine_was_busy_is_still_probed():
     """A run is judged hopeless at a shape's fastest time, not its usual one: a window whose
     times were slowed by a busy spell keeps its chance to be probed (and re-timed)."""
@@ -383,6 +403,18 @@ def test_a_depth_few_drafts_reached_leans_on_the_rate_of_all_depths():
     assert hazard[0] == pytest.approx(0.1, abs=0.001)
     assert hazard[19] == pytest.approx(0.1 / 3, abs=0.001)
     assert hazard[25] == pytest.approx(0.1, abs=0.001)  # never reached: the pooled rate
+
+
+def test_a_first_draft_that_fails_often_does_not_make_deep_depths_look_risky():
+    """The first draft fails half the time, those at depths 2..10 one time in fifty, and no
+    draft reached depth 11 or deeper. The deep depths lean on the rate of depths 2 and deeper
+    (about 2%), not on one that the first draft's failures swell."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    plan.profile.at_risk[1], plan.profile.stopped[1] = 1000.0, 500.0
+    plan.profile.at_risk[2:11], plan.profile.stopped[2:11] = 500.0, 10.0
+    hazard = plan._hazard()
+    assert hazard[0] == pytest.approx(0.5, abs=0.001)
+    assert hazard[15] == pytest.approx(0.02, abs=0.001)
 
 
 def test_largest_shape_counts_the_nodes_the_built_tree_has():

@@ -233,22 +233,22 @@ class AutoPlan:
       forward, and the next few after a switch, run slower), one in which the network compiled,
       and one that fed fewer rows than the batch has. A shape's seconds are the median of its
       last nine times; its fastest time is kept too.
-    - **Probes.** Every iteration not fed as the best expected shape is learning, and is
-      charged its seconds beyond what the best shape would have taken for the codes it
-      committed. A new profile opens with AR, then the short window (4) and the middle one,
-      12 iterations each: the times of two window sizes and the first counts. Then probe turns come, in turn the longest
-      window, its full tree and AR (not timed otherwise while a window is fed), on an interval
-      set from what the last one measured (longer the slower it was than the best shape, and
-      growing with the square root of the turns so far). AR's run is 30 iterations (on a CPU its
-      first steps after other work run slower), a window's 10 (the
-      first 30; its counts replace the opening's, made on short windows in the top rows, which
-      underrate long windows), and is skipped where it could not beat the best shape even with
-      the luckiest acceptance the counts allow at its fastest time
-      (:meth:`_optimistic_rates`). A run is cut short, or not made (the turn passes, and the
-      next comes 8 iterations later), where its expected charge would take learning past 5% of
-      the generation's time (so far, plus the rest of the image at the best rate): learning
-      costs at most ``_LEARNING_SHARE`` of every generation, the opening included, give or take
-      what one run turns out to cost beyond its estimate.
+    - **Probes.** Every iteration not fed as the best expected shape is learning, and is charged
+      its seconds beyond what the best shape would have taken for the codes it committed. A new
+      profile opens with AR, then the short window (4) and the middle one, 12 iterations each: the
+      times of two window sizes and the first counts. Then probe turns come, in turn the longest
+      window, its full tree and AR (not timed otherwise while a window is fed), on an interval set
+      from what the last one measured (longer the slower it was than the best shape, and growing
+      with the square root of the turns so far). AR's run is 30 iterations (on a CPU its first
+      steps after other work run slower), a window's 10. The first window run is 30 and judged by
+      the budget alone: its counts replace the opening's, made on short windows in the top rows,
+      which underrate long windows. A later one is skipped where it could not beat the best shape
+      even with the luckiest acceptance the counts allow at its fastest time
+      (:meth:`_optimistic_rates`). A run is cut short, or not made (the turn passes, and the next
+      comes 8 iterations later; the first window run waits instead), where its expected charge
+      would take learning past 5% of the generation's time (so far, plus the rest of the image at
+      the best rate): learning costs at most ``_LEARNING_SHARE`` of every generation, the opening
+      included, give or take what one run turns out to cost beyond its estimate.
     - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
       promises 5% more than the current one; that is plain autoregression wherever no window
       pays, and a new profile starts from it.
@@ -405,24 +405,28 @@ class AutoPlan:
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next probe turn's run: in turn the longest window, its tree and AR (which, while
         another shape is fed, is not timed otherwise). None where the shape is fed anyway or, a
-        window, could not beat the best one even if it were as lucky as what was counted allows;
-        none yet where the learning budget does not cover the run (:meth:`_affordable`: the turn
-        passes, and the next comes ``_REESTIMATE`` iterations later), or a shorter one."""
+        window, could not beat the best one even if it were as lucky as what was counted allows
+        (but for the first window run: the opening's counts, made on short windows in the top
+        rows, underrate long windows, and that run's counts replace them). None yet where the
+        learning budget does not cover the run (:meth:`_affordable`): the turn passes (the
+        first window run waits), and the next comes ``_REESTIMATE`` iterations later."""
         profile = self.profile
         probe = self.rotation[profile.probes_made % len(self.rotation)]
         index = self.shapes.index(probe)
-        profile.probes_made, profile.until_probe = profile.probes_made + 1, None
-        if index == self.current or probe.window > 1 and \
+        first = probe.window > 1 and profile.windows_run == 0
+        if index == self.current or probe.window > 1 and not first and \
                 self._optimistic_rates()[index] < rates.max():
+            profile.probes_made, profile.until_probe = profile.probes_made + 1, None
             return []
         shortest = _AR_PROBE_RUN if probe.window == 1 else _PROBE_RUN
-        first = probe.window > 1 and profile.windows_run == 0
         length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(index, rates))
         if length < shortest:  # too few to learn from: later, when the budget has grown
+            profile.probes_made += not first
             profile.until_probe = _REESTIMATE
             return []
-        if first:  # the opening's counts, made on short windows in the top rows, underrate
-            profile.at_risk[:], profile.stopped[:] = 0.0, 0.0  # long windows
+        if first:
+            profile.at_risk[:], profile.stopped[:] = 0.0, 0.0
+        profile.probes_made, profile.until_probe = profile.probes_made + 1, None
         profile.windows_run += probe.window > 1
         return [probe] * length
 
@@ -462,11 +466,14 @@ class AutoPlan:
 
     def _hazard(self) -> np.ndarray:
         """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
-        ones before it passed. Each depth leans, by one draft's weight, on the rate of all depths
-        together: the deep depths, which few drafts reach, are then not pulled towards a fixed
-        guess (that would make every window past them look worth less than it is)."""
+        ones before it passed. Each depth leans, by one draft's weight, on the rate of the
+        depths past the first together: the deep depths, which few drafts reach, are then not
+        pulled towards a fixed guess (that would make every window past them look worth less
+        than it is). The first draft's rate is left out of that pool: drafted right after a
+        rejection or at a row's start, it fails far more often than deeper ones (on the
+        reference model about 45% of the time, against a few percent)."""
         stopped, at_risk = self.profile.stopped[1:], self.profile.at_risk[1:]
-        pooled = (stopped.sum() + _PRIOR_HAZARD) / (at_risk.sum() + 1.0)
+        pooled = (stopped[1:].sum() + _PRIOR_HAZARD) / (at_risk[1:].sum() + 1.0)
         return (stopped + pooled) / (at_risk + 1.0)
 
     def _codes(self, hazard: np.ndarray, sibling_pass: float) -> np.ndarray:
