@@ -235,20 +235,21 @@ class AutoPlan:
       last nine times; its fastest time is kept too.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is charged
       its seconds beyond what the best shape would have taken for the codes it committed. A new
-      profile opens with AR, then the short window (4) and the middle one, 12 iterations each: the
-      times of two window sizes and the first counts. Then probe turns come, in turn the longest
-      window, its full tree and AR (not timed otherwise while a window is fed), on an interval set
-      from what the last one measured (longer the slower it was than the best shape, and growing
-      with the square root of the turns so far). AR's run is 30 iterations (on a CPU its first
-      steps after other work run slower), a window's 10. The first window run is 30 and judged by
-      the budget alone: its counts replace the opening's, made on short windows in the top rows,
-      which underrate long windows. A later one is skipped where it could not beat the best shape
-      even with the luckiest acceptance the counts allow at its fastest time
-      (:meth:`_optimistic_rates`). A run is cut short, or not made (the turn passes, and the next
-      comes 8 iterations later; the first window run waits instead), where its expected charge
-      would take learning past 5% of the generation's time (so far, plus the rest of the image at
-      the best rate): learning costs at most ``_LEARNING_SHARE`` of every generation, the opening
-      included, give or take what one run turns out to cost beyond its estimate.
+      profile opens with AR and the short window (4), 12 iterations each. Then probe turns come, in
+      turn the longest window, its full tree and AR (not timed otherwise while a window is fed), on
+      an interval set from what the last one measured (longer the slower it was than the best
+      shape, and growing with the square root of the turns so far). AR's run is 30 iterations (on a
+      CPU its first steps after other work run slower), a window's 10. The first window run comes
+      right after the opening, 30 iterations, judged at the luckiest rate the counts allow: the
+      short window's counts, made in the top rows, underrate long windows, and that run's counts
+      replace them. A later one is skipped where it could not beat the best shape even with the
+      luckiest acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`). A run
+      is cut short, or not made (the turn passes, and the next comes 8 iterations later; the first
+      window run waits instead), where its expected charge would take learning past 5% of the
+      generation's time (so far, plus the rest of the image at the best rate), and a run stops
+      early once learning has cost that much: learning costs at most ``_LEARNING_SHARE`` of
+      every generation, the opening included (give or take the iterations whose seconds are
+      still being read).
     - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
       promises 5% more than the current one; that is plain autoregression wherever no window
       pays, and a new profile starts from it.
@@ -279,8 +280,6 @@ class AutoPlan:
             profiles_of_model = {}
         self.profile = profiles_of_model.setdefault(key, _Profile(settings.window))
         self.short = next(t for t in self.shapes if t.window == min(4, settings.window))
-        self.middle = next(t for t in self.shapes[1:] if not t.tree_levels
-                           and t.window == _middle_length(lengths))
         self.image_codes = image_codes
         self.codes_done = 0.0  # mean codes committed per image so far
         self.queue: list[DraftTree] = []
@@ -342,6 +341,8 @@ class AutoPlan:
     def choose(self) -> DraftTree:
         if self.untimed:
             return self.probes[0]
+        if self.queue and self._budget_left() < 0.0:  # learning cost more than expected
+            self.queue = []
         if not self.queue:
             self.queue = self._learning_run()
         self.learning = bool(self.queue)
@@ -376,11 +377,10 @@ class AutoPlan:
         return self._probe_run(self.rates) if self._probe_due(self.rates) else []
 
     def _opening(self) -> list[DraftTree]:
-        """A new profile's first iterations: runs that time AR, the short window and the middle
-        one (where the cost is forward passes, none: every shape costs one), then, compiled,
-        every other shape once."""
-        runs = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * \
-            _OPENING_RUN + ([self.middle] * _OPENING_RUN if self.middle is not self.short else [])
+        """A new profile's first iterations: runs that time AR and the short window and count
+        the short window's drafts (where the cost is forward passes, none: every shape costs
+        one), then, compiled, every other shape once."""
+        runs = [] if self.per_pass else [self.shapes[0]] * _TIMED_RUN + [self.short] * _OPENING_RUN
         return runs + (self._unfed(*runs) if self.compiles else [])
 
     def _probe_due(self, rates: np.ndarray) -> bool:
@@ -406,10 +406,11 @@ class AutoPlan:
         """The next probe turn's run: in turn the longest window, its tree and AR (which, while
         another shape is fed, is not timed otherwise). None where the shape is fed anyway or, a
         window, could not beat the best one even if it were as lucky as what was counted allows
-        (but for the first window run: the opening's counts, made on short windows in the top
-        rows, underrate long windows, and that run's counts replace them). None yet where the
-        learning budget does not cover the run (:meth:`_affordable`): the turn passes (the
-        first window run waits), and the next comes ``_REESTIMATE`` iterations later."""
+        (the first window run is priced at that luck instead: the opening's counts, made on the
+        short window in the top rows, underrate long windows, and its counts replace them).
+        None yet where the learning budget does not cover the run (:meth:`_affordable`): the
+        turn passes (the first window run waits), and the next comes ``_REESTIMATE`` iterations
+        later."""
         profile = self.profile
         probe = self.rotation[profile.probes_made % len(self.rotation)]
         index = self.shapes.index(probe)
@@ -419,7 +420,8 @@ class AutoPlan:
             profile.probes_made, profile.until_probe = profile.probes_made + 1, None
             return []
         shortest = _AR_PROBE_RUN if probe.window == 1 else _PROBE_RUN
-        length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(index, rates))
+        rate = self._optimistic_rates()[index] if first else rates[index]
+        length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(rate, index, rates))
         if length < shortest:  # too few to learn from: later, when the budget has grown
             profile.probes_made += not first
             profile.until_probe = _REESTIMATE
@@ -430,18 +432,22 @@ class AutoPlan:
         profile.windows_run += probe.window > 1
         return [probe] * length
 
-    def _affordable(self, index: int, rates: np.ndarray) -> int:
-        """How many iterations of shape ``index`` the learning budget still covers in this
-        generation: what learning cost so far, plus their expected charge, within
-        ``_LEARNING_SHARE`` of the generation's time (so far, and the rest of the image at the
-        best rate)."""
-        best = rates.max()
-        charge = self._seconds()[index] * (1.0 - rates[index] / best)  # per iteration
+    def _affordable(self, rate: float, index: int, rates: np.ndarray) -> int:
+        """How many iterations of shape ``index``, expected to commit ``rate`` codes per second,
+        the learning budget still covers in this generation: what learning cost so far, plus
+        their expected charge, within ``_LEARNING_SHARE`` of the generation's time (so far, and
+        the rest of the image at the best rate)."""
+        charge = self._seconds()[index] * (1.0 - rate / rates.max())  # per iteration
         if charge <= 0.0:
             return _FIRST_PROBE_RUN
-        rest = max(self.image_codes - self.codes_done, 0.0) / best
-        budget = _LEARNING_SHARE * (self.elapsed + rest) - self.learning_cost
-        return max(int(budget / charge), 0)
+        return max(int(self._budget_left() / charge), 0)
+
+    def _budget_left(self) -> float:
+        """Seconds (passes) learning may still cost in this generation: ``_LEARNING_SHARE`` of
+        its time so far and of the rest of the image at the best rate, less what it cost."""
+        best = self._best_rate()
+        rest = 0.0 if best is None else max(self.image_codes - self.codes_done, 0.0) / best
+        return _LEARNING_SHARE * (self.elapsed + rest) - self.learning_cost
 
     def _longest_hopeful_window(self, rates: np.ndarray) -> int:
         """The longest chain window expected to come within ``_UNDERRATED`` of the best shape
@@ -466,14 +472,11 @@ class AutoPlan:
 
     def _hazard(self) -> np.ndarray:
         """Rejection rate of the draft at depth j = 1 .. window - 1 (index j - 1), given that the
-        ones before it passed. Each depth leans, by one draft's weight, on the rate of the
-        depths past the first together: the deep depths, which few drafts reach, are then not
-        pulled towards a fixed guess (that would make every window past them look worth less
-        than it is). The first draft's rate is left out of that pool: drafted right after a
-        rejection or at a row's start, it fails far more often than deeper ones (on the
-        reference model about 45% of the time, against a few percent)."""
+        ones before it passed. Each depth leans, by one draft's weight, on the rate of all depths
+        together: the deep depths, which few drafts reach, are then not pulled towards a fixed
+        guess (that would make every window past them look worth less than it is)."""
         stopped, at_risk = self.profile.stopped[1:], self.profile.at_risk[1:]
-        pooled = (stopped[1:].sum() + _PRIOR_HAZARD) / (at_risk[1:].sum() + 1.0)
+        pooled = (stopped.sum() + _PRIOR_HAZARD) / (at_risk.sum() + 1.0)
         return (stopped + pooled) / (at_risk + 1.0)
 
     def _codes(self, hazard: np.ndarray, sibling_pass: float) -> np.ndarray:
