@@ -55,8 +55,8 @@ def missing_model_message(name: str) -> str:
     choices = ", ".join(quote(n) for n in found)
     left_out = f" Left out of the listing: {'; '.join(skipped)}." if skipped else ""
     return one_line(
-        f"SJD Model Loader: model={quote(name)} was not found: put its checkpoint folder, under "
-        "that name, in an SJD models folder, or add a folder with an 'sjd:' entry in "
+        f"SJD Model Loader: model={quote(name)} was not found in the SJD models folders: put "
+        "its checkpoint folder there under that name, or add a folder with an 'sjd:' entry in "
         "extra_model_paths.yaml (the README's 'Supported checkpoints' table says where each "
         f"family's weights come from); or pick one of: {choices}. Folders looked in: "
         f"{checked}.{left_out}")

@@ -35,6 +35,7 @@ import torch
 from ..decoding.drafting import DraftTree
 from ..decoding import engine
 from ..decoding.engine import generate
+from ..decoding.planner import LEARNING_ITERATIONS
 from ..decoding.settings import AccelerationSettings, SamplingSettings
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
                                 synthetic_vocabulary)
@@ -258,13 +259,16 @@ def run_name(run: dict) -> str:
 def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
              iterations: int, counted: int, profiled: int, stages: bool = False) -> dict:
     """``preset`` (guided, 768 px), eager or compiled (``stages``: its stages too): after
-    ``warmup`` iterations (compiling
-    happens there), ``iterations`` timed ones (wall-clock, and the host's time outside waiting in
+    ``warmup`` iterations (compiling happens there; for ``auto`` also the iterations in which a
+    new profile learns, so that what is measured is what it settles on), ``iterations`` timed ones (wall-clock, and the host's time outside waiting in
     reads), ``counted`` ones under :class:`HostReads` (reads and blocking copies: the mode slows
     every operation, so it stays out of the timed stretch), then ``profiled`` ones under the
     profiler (device busy time)."""
     reads, waits, busy, seen = HostReads(), ReadWait(), _Busy(model.device), {}
     device = model.device
+    settings = replace(AccelerationSettings.preset(preset), compile=compiled,
+                       compile_stages=stages)
+    warmup += LEARNING_ITERATIONS if settings.adaptive_shape else 0
     marks = (warmup, warmup + iterations, warmup + iterations + counted,
              warmup + iterations + counted + profiled)
 
@@ -293,8 +297,6 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
 
     sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
-    settings = replace(AccelerationSettings.preset(preset), compile=compiled,
-                       compile_stages=stages)
     seen["started"] = time.perf_counter()
     try:
         with _Compiling() as compiling:
