@@ -513,9 +513,16 @@ def siblings_from_a_residual(monkeypatch):
             previous_q["q"] = previous_q["q"][going_on]
         exact_drop(decoder)
 
+    exact_start = engine._Decoder.__init__
+
+    def start(decoder, *args, **kwargs):  # a new generation (the tests draw in batches)
+        previous_q.clear()
+        exact_start(decoder, *args, **kwargs)
+
     monkeypatch.setattr(stages, "redraft", remember_previous_q)
     monkeypatch.setattr(drafting, "race_top", siblings_from_residual)
     monkeypatch.setattr(engine._Decoder, "drop_finished", drop_finished)
+    monkeypatch.setattr(engine._Decoder, "__init__", start)
 
 
 def longest_row_verify(tree, p, node_tokens, node_valid, q_slots, uniforms, final_uniform, rule,
