@@ -102,7 +102,7 @@ _OPENING_RUN = 12  # iterations of each window that a new profile times and coun
 _RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
 _REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
-# slowly, and making one costs about as much as a dozen small tensor operations
+# slowly, and it need not be made for every iteration
 # iterations a new profile learns before it feeds what it expects to pay most (its opening and
 # the longest window's first run); a measurement of what auto settles on starts after them
 LEARNING_ITERATIONS = _TIMED_RUN + _OPENING_RUN + _FIRST_PROBE_RUN

@@ -199,11 +199,16 @@ def compile_first_images(model: ImageTokenModel, modes: dict[str, AccelerationSe
                         if r.get("failure")), flush=True)
 
 
+def fastest_ar(times: dict[str, ModeTimes]) -> str | None:
+    """The plain autoregression run (ours, uncompiled, or generate's) of the lowest median
+    seconds; None where the run has none."""
+    ars = [name for name in ("AR", EAGER_AR, GENERATE) if name in times]
+    return min(ars, key=lambda name: statistics.median(times[name].seconds), default=None)
+
+
 def summarise(times: dict[str, ModeTimes], slots: int, batch: int) -> list[dict]:
     """One record per mode; speed-ups against the faster AR (ours or generate's), by medians."""
-    baselines = [statistics.median(times[name].seconds) for name in ("AR", EAGER_AR, GENERATE)
-                 if name in times]
-    baseline = min(baselines)
+    baseline = statistics.median(times[fastest_ar(times)].seconds)
     records = []
     for name, t in times.items():
         seconds = statistics.median(t.seconds)
@@ -241,11 +246,10 @@ def against_ar_by_image(times: dict[str, ModeTimes],
     """A line per ``auto`` row: its speed against the faster AR, image by image (paired: the same
     prompt and seed), and the mean over the images after the first and over all of them (the
     first carries what ``auto`` learns before anything is known)."""
-    ars = [name for name in ("AR", EAGER_AR, GENERATE) if name in times]
+    fastest = fastest_ar(times)
     cost_aware = [name for name, settings in modes.items() if settings.adaptive_shape]
-    if not ars or not cost_aware:
+    if fastest is None or not cost_aware:
         return "auto / AR by image: not measured (the run lacks one of the two)"
-    fastest = min(ars, key=lambda name: statistics.median(times[name].seconds))
     lines = []
     for name in cost_aware:
         ratios = [ar / own for ar, own in zip(times[fastest].seconds, times[name].seconds)]
