@@ -36,8 +36,10 @@ def keep_thread_count():
 
 
 def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys):
+    """A fixed speculative mode (what AUTO feeds follows the machine's clock; its summary is
+    tested below), so the forward-pass count does not depend on timing."""
     report = demo.main(["--prompt", "sneaker", "--out", str(tmp_path), "--window", "8",
-                        "--device", "cpu", "--threads", "1"])
+                        "--mode", "pac", "--device", "cpu", "--threads", "1"])
     image, figure = Image.open(report["image"]), Image.open(report["heatmap"])
     assert report["image"] == str(tmp_path / "sneaker.png")
     assert report["heatmap"] == str(tmp_path / "sneaker_heatmap.png")
@@ -51,10 +53,20 @@ def test_demo_writes_image_and_heatmap_and_reports_the_speedup(tmp_path, capsys)
     assert "torch CPU threads: 1" in printed.out
     # one progress bar per run (the default mode, then AR), each reaching all 256 codes with a
     # rate and ETA
-    assert report["mode"] == AccelerationSettings.preset(DEFAULT_PRESET, window=8).mode_name
+    assert report["mode"] == AccelerationSettings.preset("pac", window=8).mode_name
     bars = printed.err.replace("\r", "\n")
     for mode in (f"{report['mode']} 'sneaker'", "AR 'sneaker'"):
         assert f"{mode}: 100%" in bars and "256/256 [" in bars and "code/s]" in bars
+
+
+def test_demo_runs_auto_by_default_and_says_what_it_fed(tmp_path, capsys):
+    report = demo.main(["--prompt", "bag", "--out", str(tmp_path), "--no-baseline",
+                        "--threads", "1"])
+    assert report["mode"] == AccelerationSettings.preset(DEFAULT_PRESET).mode_name
+    assert 0 < report["nfe"] <= 256
+    summary = capsys.readouterr().out
+    assert "  fed AR: no window paid" in summary or "  fed window " in summary
+    assert "learning took " in summary
 
 
 def test_demo_mode_ar_runs_ar_once(tmp_path, capsys, monkeypatch):
