@@ -81,11 +81,11 @@ FIELD_WIDGETS: dict[str, tuple[str, float | None, float | None, float | None]] =
                    "passes = forward passes, every shape of at most 'window' nodes counting as "
                    "one (for a GPU with room to spare: window and tree then share that node "
                    "budget). Lossless either way.", None, None, None),
-    "compile": ("Run the network compiled, one graph per shape fed, at most 8 per run. On "
-                "CUDA it is recorded as CUDA graphs (about a second per shape); elsewhere "
-                "torch.compile's inductor compiles it (tens of seconds or more per shape on the "
-                "first run); auto's first image feeds each of its shapes once, so all of them "
-                "compile there. 'on CUDA' (default): on for CUDA only. If compiling fails the "
+    "compile": ("Run the network compiled. On CUDA it is recorded as CUDA graphs, one per "
+                "shape fed, at most 8 per run (about a second each); elsewhere torch.compile's "
+                "inductor compiles it (several seconds for the first shape and for the first of "
+                "another length, whose graph serves every later length; once per ComfyUI "
+                "session). 'on CUDA' (default): on for CUDA only. If compiling fails the "
                 "run goes on uncompiled with a warning in the summary. Lossless: the logits "
                 "differ from uncompiled ones only by float rounding, so a draw may flip on a long "
                 "image and the rest of it differ, from the same distribution.", None, None, None),

@@ -28,7 +28,7 @@ import torch
 from ..messages import plural, quote
 from ..transfer import host_to_device
 from ..models.protocol import DecodingSession, GenerationRequest, ImageTokenModel, MemoryShape
-from ..compiled import CapturedStages, CompiledStages, compile_stages
+from ..compiled import CompiledStages, compile_stages
 from .drafting import Canvas, DraftTree, WindowState
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
@@ -83,7 +83,7 @@ class _Decoder:
     def __init__(self, model: ImageTokenModel, session: DecodingSession, sampling: SamplingSettings,
                  acceleration: AccelerationSettings, seed: int, device: torch.device,
                  count_vp_rises: bool = False,
-                 compiled_stages: CapturedStages | CompiledStages | None = None) -> None:
+                 compiled_stages: CompiledStages | None = None) -> None:
         batch = session.batch_size
         self.session, self.sampling, self.acceleration = session, sampling, acceleration
         self.height, self.width = session.grid_height, session.grid_width
@@ -159,11 +159,11 @@ class _Decoder:
         return self._read_committed(outcome.verdict)
 
     def _stage_runner(self, tree: DraftTree) -> Callable:
-        """Runs a stage of :mod:`.stages` on its arguments: per tree shape as a CUDA graph or
-        compiled where the stages are (``compile_stages``), as it is otherwise."""
+        """Runs a stage of :mod:`.stages` on its arguments: compiled where the stages are
+        (``compile_stages``; named by tree shape and rows), as it is otherwise."""
         if self.compiled_stages is None:
             return lambda function, *args: function(*args)
-        shape = (tree.window, tree.profile)
+        shape = (tree.window, tree.profile, len(self.rows))
         return lambda function, *args: self.compiled_stages(function, shape, *args)
 
     def _fit_window(self, window: int) -> None:

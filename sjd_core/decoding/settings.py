@@ -143,26 +143,24 @@ class AccelerationSettings:
     shape_cost: what ``adaptive_shape`` spends per committed code: ``time``, as measured on this
         machine, or ``passes``: every shape of at most ``window`` nodes costs one forward pass (a
         device with room to spare), so the window and the tree share that node budget. Lossless.
-    compile: run the network compiled, one graph per fed shape, at most 8 per generation (later
-        shapes run uncompiled): on CUDA recorded as CUDA graphs (one launch per forward instead
-        of one per kernel, which bounds a decoding step of a large model), elsewhere compiled by
-        inductor (``torch.compile``), which costs seconds to minutes per shape on the first
-        generation. None (the default): on for CUDA only (see ``compiles_on``). Where compiling
-        fails the run goes on uncompiled, with a warning. Lossless: compiled logits differ from
-        uncompiled ones only by float rounding (about 1e-6 to 1e-5), so the distribution is the
-        same, but on a long image a draw may flip and the rest of that image differ, as between
-        batch sizes.
+    compile: run the network compiled (:func:`sjd_core.compiled.backend`): on CUDA recorded as
+        CUDA graphs, one per fed shape, at most 8 per generation (later shapes run uncompiled; one
+        launch per forward instead of one per kernel, which bounds a decoding step of a large
+        model); elsewhere compiled by inductor (``torch.compile``) with automatic dynamic sizes:
+        the first shape compiles, and the first of another length compiles one graph that serves
+        every later one (seconds each on a CPU, on the first generation of a process). None (the
+        default): on for CUDA only (see ``compiles_on``). Where compiling fails the run goes on
+        uncompiled, with a warning. Lossless: compiled logits differ from uncompiled ones only by
+        float rounding (about 1e-6 to 1e-5), so the distribution is the same, but on a long image
+        a draw may flip and the rest of that image differ, as between batch sizes.
     compile_stages: also compile the speculative iteration's stages (draft, verify, commit,
         advance: some 400 small operations per PAC+VP iteration, each a kernel launch on a GPU),
-        as two calls (draft; verify, commit and advance), each whole, for at most 8 tree shapes
-        per generation: on CUDA recorded as CUDA graphs (one launch per call; a graph per call,
-        tree shape and batch size, recorded again by each generation in about the time of an
-        eager call), elsewhere compiled by inductor (per tree shape at most three graphs per
-        call: the first batch size, every other one, a single row). Off by default, and not on
-        the nodes, until a GPU run shows that it pays (``python -m sjd_core.tools.gpu_check``
-        times it): on a CPU it costs seconds of compiling per graph and pays only where
-        verifying over a large codebook is a large part of an iteration. Lossless, as
-        ``compile``.
+        as two calls (draft; verify, commit and advance), each whole, by inductor with automatic
+        dynamic sizes (on CUDA in its CUDA-graph mode, ``mode="reduce-overhead"``). Off by
+        default, and not on the nodes, until a GPU run shows that it pays (``python -m
+        sjd_core.tools.gpu_check`` times it): on a CPU it costs seconds of compiling per graph and
+        pays only where verifying over a large codebook is a large part of an iteration.
+        Lossless, as ``compile``.
     """
 
     window: int = 16

@@ -32,7 +32,7 @@ import torch
 
 from ...messages import quote
 from ..protocol import DecodingSession
-from ...compiled import CapturedNetwork, CompiledNetwork
+from ...compiled import CapturedNetwork, CompiledNetwork, compile_network
 from .kv_store import KVStore
 from .mask_buffer import MaskBuffer
 from .token_layout import FedLayout, GridLayout
@@ -127,15 +127,11 @@ class SlotSession(DecodingSession):
         """Keep only the rows ``index`` of the model's own per-row state."""
 
     def compile_network(self) -> CompiledNetwork | CapturedNetwork:
-        """Run the network of every later forward and advance compiled, one graph per fed shape
-        (the prefill stays eager: it runs once): captured as CUDA graphs on CUDA, compiled by
-        inductor elsewhere. Returns what tells how compiling went."""
-        if self.device.type == "cuda":
-            self._network = CapturedNetwork(self._network_step, self.device,
-                                            lambda: self.store.settled, self.store.buffers)
-        else:
-            self._network = CompiledNetwork(self._network_step, self.device,
-                                            lambda: self.store.settled)
+        """Run the network of every later forward and advance compiled for the device
+        (:func:`~sjd_core.compiled.compile_network`; the prefill stays eager: it runs once).
+        Returns what tells how compiling went."""
+        self._network = compile_network(self._network_step, self.device,
+                                        lambda: self.store.settled, self.store.buffers)
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
