@@ -465,7 +465,7 @@ def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
     one tensor; a compaction then moves their entries as per-layer copies would, and a
     layer of another dtype keeps its own buffer."""
     store = KVStore(rows=2, capacity=8)
-    store.plan(torch.arange(3).expand(2, 3))
+    store.plan(torch.arange(3).expand(2, 3), 8)
     written = []
     for layer, dtype in enumerate([torch.float32, torch.float32, torch.float64, torch.float32]):
         keys, values = torch.randn(2, 3, 3, 4, dtype=dtype), torch.randn(2, 3, 3, 4, dtype=dtype)

@@ -173,7 +173,7 @@ class HFSession(SlotSession):
             x = torch.where(fed.row_end[..., None], self._row_end, x)
         return x
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
              ) -> torch.Tensor:
         out = self.parts.backbone(inputs_embeds=inputs, attention_mask=mask, position_ids=positions,
                                   use_cache=True, **{self._cache_keyword: self._cache})

@@ -37,7 +37,7 @@ class _Block(nn.Module):
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
 
-    def forward(self, x: torch.Tensor, store: KVStore, layer: int, mask: torch.Tensor
+    def forward(self, x: torch.Tensor, store: KVStore, layer: int, mask: torch.Tensor | None
                 ) -> torch.Tensor:
         rows, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(rows, length, 3, self.heads, -1).unbind(2)
@@ -76,7 +76,7 @@ class SyntheticSession(SlotSession):
             tokens = torch.cat([first[:, None], tokens[:, 1:]], 1)
         return tokens
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
              ) -> torch.Tensor:
         return self.model.run(self.store, inputs, positions, mask)
 
@@ -148,10 +148,11 @@ class SyntheticModel(nn.Module):
         return SyntheticSession(self, request)
 
     def run(self, store: KVStore, tokens: torch.Tensor, positions: torch.Tensor,
-            mask: torch.Tensor) -> torch.Tensor:
+            mask: torch.Tensor | None) -> torch.Tensor:
         """Feed tokens at positions through every layer, caching in ``store``; final hidden states.
 
-        ``mask`` (rows, 1, tokens, capacity) booleans say which cache columns each token sees.
+        ``mask`` (rows, 1, tokens, columns) booleans say which of the cache's first columns each
+        token sees; None: every column the store hands back.
         """
         x = self.embed(tokens) + self.position(positions.clamp(0, self.max_positions - 1))
         for layer, block in enumerate(self.blocks):

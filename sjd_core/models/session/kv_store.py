@@ -11,10 +11,11 @@ Row ``r`` holds its entries in columns ``0 .. length_r - 1``; columns past that 
 finite values (zeros before their first write) that the attention mask blocks.
 
 Per forward the session says where the new entries go (``plan``: a column per row and fed token,
-rows may differ, as a tensor); each layer then writes its new entries in place with one indexed
-write and attends over its whole buffers, every column of the capacity, under the mask. So the
-shapes inside the network depend only on the fed shape (rows, tokens), never on how much is
-cached, and a compiled network needs one graph per fed shape. ``compact`` moves entries within
+rows may differ, as a tensor) and how many leading columns the forward attends over; each layer
+then writes its new entries in place with one indexed write and attends over those columns of
+its buffers under the mask. A compiled network attends over every column of the capacity, so
+that the shapes inside it depend only on the fed shape (rows, tokens), never on how much is
+cached; an eager one over the columns in use only. ``compact`` moves entries within
 rows (keeping an accepted path) and touches only the columns it is given; ``select_rows`` and
 ``reserve`` copy the whole cache once.
 """
@@ -39,24 +40,32 @@ class KVStore:
         self._places: list[tuple[int, int] | None] = []
         self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: keys, values
         self._columns: torch.Tensor | None = None
+        self._attended = capacity  # leading columns the next forward attends over
+        self._first: int | None = None  # where a slice write starts (see plan)
         self._apart = False  # whether some layer was allocated since the last join
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, columns: torch.Tensor) -> None:
+    def plan(self, columns: torch.Tensor, attended: int, first: int | None = None) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]`` (rows,
-        tokens)."""
-        self._columns = columns
+        tokens), and the forward attends over the first ``attended`` columns. ``first``: the
+        column where every row's tokens start, one after another, when the caller knows it on
+        the host (a slice write then replaces the indexed one)."""
+        self._columns, self._attended, self._first = columns, attended, first
         self._write_indices.clear()
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's new (rows, heads, tokens, dim) keys and values at the planned columns;
-        return its whole (rows, heads, capacity, dim) buffers."""
+        return its (rows, heads, attended, dim) buffers (see ``plan``)."""
         cached_keys, cached_values = self._layer(layer, keys, values)
-        rows, columns = self._write_index(keys.device)
-        cached_keys[rows, :, columns] = keys.transpose(1, 2)
-        cached_values[rows, :, columns] = values.transpose(1, 2)
-        return cached_keys, cached_values
+        if self._first is not None:
+            written = slice(self._first, self._first + keys.shape[2])
+            cached_keys[:, :, written], cached_values[:, :, written] = keys, values
+        else:
+            rows, columns = self._write_index(keys.device)
+            cached_keys[rows, :, columns] = keys.transpose(1, 2)
+            cached_values[rows, :, columns] = values.transpose(1, 2)
+        return cached_keys[:, :, :self._attended], cached_values[:, :, :self._attended]
 
     @property
     def settled(self) -> bool:

@@ -15,10 +15,13 @@ node needs no read). Its own work is a fixed number of tensor operations on the 
 whatever the length of the cached prefix. Plain autoregression's ``advance`` (one code per row,
 kept at once) skips most of it between row ends.
 
-Static shapes: inside the network every tensor's shape depends only on the fed shape (rows,
-tokens). Every forward attends through the mask buffer read at the cache's full capacity (columns
-past a row's cached length are blocked there), and new entries go to the cache through index
-tensors. So a compiled network (``compile_network``) needs one graph per fed shape.
+Static shapes: compiled (``compile_network``), inside the network every tensor's shape depends
+only on the fed shape (rows, tokens): every forward attends through the mask buffer read at the
+cache's full capacity (columns past a row's cached length are blocked there), and new entries go
+to the cache through index tensors. Eager, a forward attends over the columns in use only (to
+the end of its longest row), and one code per row after rows of equal length (plain
+autoregression) goes to the cache as one slice and attends without a mask where no context is
+padded: it sees every column (see ``_attention``).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class SlotSession(DecodingSession):
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
         self._network = self._network_step  # the network call of forward and advance
+        self._compiled = False  # whether it runs compiled: shapes must not depend on the cache
+        self._attended, self._first_column = self.store.capacity, None  # see _attention
         self._keep_rows()
 
     # ------------------------------------------------------------------ what a model adds
@@ -111,11 +116,12 @@ class SlotSession(DecodingSession):
         ``fed`` None: codes only (no slot -1 token, no row end), as an advance feeds them."""
         raise NotImplementedError
 
-    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
              ) -> torch.Tensor:
         """Run the network on ``inputs`` writing through ``self.store``; hidden states (R, n, ...).
 
-        ``mask`` (R, 1, n, capacity) says which cache columns each token sees.
+        ``mask`` (R, 1, n, columns) says which of the cache's first columns each token sees;
+        None: every column the store hands back (see ``_attention``).
         """
         raise NotImplementedError
 
@@ -132,16 +138,17 @@ class SlotSession(DecodingSession):
         Returns what tells how compiling went."""
         self._network = compile_network(self._network_step, self.device,
                                         lambda: self.store.settled, self.store.buffers)
+        self._compiled = True
         return self._network
 
-    def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                      columns: torch.Tensor) -> torch.Tensor:
+    def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
         """The network on the fed tokens, their keys and values written at cache ``columns``
         (R, tokens): the call compiled or captured per fed shape, so every tensor it reads that
         changes between forwards is an argument (the cache's buffers stay where they are).
         The layers that allocated their cache in this call are joined at its end, so that the
         next call is already compiled (``store.settled``)."""
-        self.store.plan(columns)
+        self.store.plan(columns, self._attended, self._first_column)
         hidden = self._run(inputs, positions, mask)
         self.store.join()
         return hidden
@@ -161,6 +168,7 @@ class SlotSession(DecodingSession):
         allowed = (key <= query) & (key >= padding[..., None])
         allowed |= torch.eye(n, capacity, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
+        self._attended, self._first_column = capacity, None
         self._network_step(inputs, positions, self.mask.values(allowed)[:, None],
                            order.expand(len(self._padding), n))
 
@@ -192,7 +200,8 @@ class SlotSession(DecodingSession):
                               else self.mask.values(fed.visible))
         if mark is not None:
             mark()
-        hidden = self._network(inputs, fed.positions, self.mask.view(plan.tokens), fed.columns)
+        hidden = self._network(inputs, fed.positions, self._attention(plan.tokens, plan.lengths),
+                               fed.columns)
         if fed.outputs is not None:
             index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
             hidden = hidden.gather(1, index)
@@ -335,7 +344,8 @@ class SlotSession(DecodingSession):
         self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
             mark()
-        logits = self._logits(self._network(inputs, positions, self.mask.view(1), columns))[:, 0]
+        mask = self._attention(1, held)
+        logits = self._logits(self._network(inputs, positions, mask, columns))[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = held, self._kept_one
@@ -343,6 +353,23 @@ class SlotSession(DecodingSession):
         if self.guided:
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
+
+    def _attention(self, tokens: int, lengths: np.ndarray) -> torch.Tensor | None:
+        """The mask of a forward feeding ``tokens`` tokens per row after rows of ``lengths`` (R,)
+        cached columns, and how it reads and writes the cache (``_attended``,
+        ``_first_column``). Compiled: the mask at the cache's full capacity and writes through
+        index tensors, shapes that do not depend on how much is cached. Eager: the columns in
+        use only; one token per row after rows of equal length is written as a slice, and sees
+        every column (no mask) unless a context is padded."""
+        if self._compiled:
+            self._attended, self._first_column = self.store.capacity, None
+            return self.mask.view(tokens)
+        in_step = tokens == 1 and lengths.min() == lengths.max()
+        self._attended = int(lengths.max()) + tokens
+        self._first_column = int(lengths[0]) if in_step else None
+        if in_step and not self._padding.any():
+            return None
+        return self.mask.view(tokens)[..., :self._attended]
 
     def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
