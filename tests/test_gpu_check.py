@@ -1,11 +1,13 @@
 """The GPU check runs end to end at toy size on the CPU and its table holds what it claims."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from sjd_core.tools import gpu_check
+from sjd_core.models.protocol import MemoryShape
+from sjd_core.tools import bandwidth_floor, draw_check, gpu_check
 
 torch.set_num_threads(1)
 # the all-zero check of every draw is a read and four operations: off here
@@ -49,6 +51,56 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     assert "| pac+vp compiled + stages | " in printed
     assert "codes per second against the faster" in printed
     assert table["peak_memory_gib"] is None  # no CUDA here
+
+
+def test_bandwidth_and_floor_arithmetic_on_known_numbers(monkeypatch):
+    clock = iter(range(100))  # every synchronised copy takes one second of this clock
+    monkeypatch.setattr(bandwidth_floor.time, "perf_counter", lambda: next(clock))
+    assert bandwidth_floor.copy_bandwidth(torch.device("cpu"), 1000) == 2000.0  # read + written
+    seven_b = MemoryShape(layers=32, heads=32, kv_heads=32, head_dim=128, hidden=4096,
+                          intermediate=11008, dtype_bytes=2)
+    assert bandwidth_floor.cache_bytes(seven_b, 1) == 2**19  # 512 KiB per cached position
+    assert bandwidth_floor.mean_fill_positions(40, 3, 2304) == 40 + 3 + 2 * 1152
+    floor = bandwidth_floor.StepFloor(weight_bytes=13 * 10**9, cache_bytes=10**9,
+                                      bandwidth=2e12)
+    assert floor.step_bytes == 14 * 10**9 and floor.floor_ms == pytest.approx(7.0)
+
+
+def test_the_projection_arithmetic():
+    assert bandwidth_floor.projected_image_seconds(1000, 2.0, 4.0) == 2.0
+    assert bandwidth_floor.projected_image_seconds(2304, 4.51, 10.0) == pytest.approx(2304 / 4.51 * 10.0 / 1e3)
+
+
+def test_the_chi_square_fails_draws_from_another_distribution():
+    cond, uncond = draw_check.bigram_tables(draw_check.VOCAB, torch.device("cpu"))
+    target = draw_check.float64_target(cond, uncond, draw_check.SAMPLING)
+    right = draw_check.pair_probabilities(target, draw_check.PAIR_SLOT)
+    hotter = replace(draw_check.SAMPLING, temperature=1.1)
+    wrong = draw_check.pair_probabilities(draw_check.float64_target(cond, uncond, hotter),
+                                          draw_check.PAIR_SLOT)
+    generator = torch.Generator().manual_seed(0)
+    drawn = {name: torch.multinomial(probabilities, 16384, replacement=True, generator=generator)
+             for name, probabilities in (("right", right), ("wrong", wrong))}
+    assert draw_check.chi_square(drawn["right"], right)["passed"]
+    assert not draw_check.chi_square(drawn["wrong"], right)["passed"]
+    impossible = torch.nonzero(right == 0)[0]  # top-k leaves pairs of probability 0
+    verdict = draw_check.chi_square(torch.cat([drawn["right"], impossible]), right)
+    assert verdict["impossible_draws"] == 1 and verdict["p_value"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_draw_check_fails_stages_fed_other_logits():
+    cond, uncond = draw_check.bigram_tables(draw_check.VOCAB, torch.device("cpu"))
+    exact = draw_check.pair_probabilities(
+        draw_check.float64_target(cond, uncond, draw_check.SAMPLING), draw_check.PAIR_SLOT)
+    drawn, report = draw_check.draw_pairs(cond, uncond, draw_check.SAMPLING, 8192)
+    assert report["failure"] is None and draw_check.chi_square(drawn, exact)["passed"]
+    skewed = cond + 0.2 * torch.randn(cond.shape, generator=torch.Generator().manual_seed(1))
+    drawn, _ = draw_check.draw_pairs(skewed, uncond, draw_check.SAMPLING, 8192)
+    verdict = draw_check.chi_square(drawn, exact)
+    assert not verdict["passed"]
+    assert "FAIL" in draw_check.describe({**verdict, "draws": 8192, "slots": [4, 5], "vocab": 8,
+                                          "stages": report, "seconds": 1.0})
 
 
 def test_the_counters_see_reads_and_blocking_copies():
