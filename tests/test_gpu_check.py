@@ -51,6 +51,34 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     assert "| pac+vp compiled + stages | " in printed
     assert "codes per second against the faster" in printed
     assert table["peak_memory_gib"] is None  # no CUDA here
+    _the_new_parts_are_there(table, printed)
+
+
+def _the_new_parts_are_there(table: dict, printed: str) -> None:
+    """The floor, every run against it, generate(), the projections and the draw check, in the
+    JSON and in the printed table."""
+    floor = table["floor"]
+    assert floor["image_codes"] == 48 * 48 and floor["bandwidth_gb_s"] > 0
+    assert floor["step_bytes"] == floor["weight_bytes"] + floor["cache_bytes"]
+    assert floor["floor_ms"] == pytest.approx(floor["step_bytes"] / floor["bandwidth_gb_s"] / 1e6)
+    assert floor["capacity_positions"] > floor["cached_positions"] > 48 * 48
+    assert "memory-bandwidth floor: a copy of 256 MiB moved" in printed
+    rows = {row["run"]: row for row in table["against_floor"]}
+    assert list(rows) == [gpu_check.run_name(run) for run in table["runs"]]
+    assert all(row["time"] == "wall" for row in rows.values())  # no busy time on the CPU
+    assert "| wall (no device busy time here) ms / iteration | x floor |" in printed
+    assert rows["ar compiled"]["ar_step_multiple"] == 1.0
+    assert rows["ar compiled"]["targets"][0] == "x floor <= 1.5"
+    assert "x compiled AR step <= 1.3" in rows["pac+vp compiled + stages"]["targets"]
+    assert rows["ar eager"]["targets"] == []
+    assert table["generate"]["new_tokens"] == 16 and table["generate"]["ms_per_code"] > 0
+    assert "transformers generate() (its own guidance" in printed
+    projected = [row["decoding"] for row in table["projected"]["rows"]]
+    assert projected == ["AR", "transformers generate()", "SJD", "SJD-PAC"]
+    assert "projected image time, not measured" in printed and "| 4.51 (published) |" in printed
+    check = table["draw_check"]
+    assert check["passed"] and check["draws"] == 16384 and check["stages"]["failure"] is None
+    assert "draw check (PAC+VP's stages, stages compiled" in printed and ": PASS:" in printed
 
 
 def test_bandwidth_and_floor_arithmetic_on_known_numbers(monkeypatch):
@@ -66,9 +94,33 @@ def test_bandwidth_and_floor_arithmetic_on_known_numbers(monkeypatch):
     assert floor.step_bytes == 14 * 10**9 and floor.floor_ms == pytest.approx(7.0)
 
 
-def test_the_projection_arithmetic():
+def _run(mode: str, compiled: bool, stages: bool, wall: float, busy: float) -> dict:
+    return {"mode": mode, "compiled": compiled, "stages": stages, "ms_per_iteration": wall,
+            "host_ms_per_iteration": wall / 2, "busy_ms_per_iteration": busy,
+            "warmup_seconds": 1.0}
+
+
+def test_floor_multiples_and_projections_on_known_numbers():
+    table = {"floor": {"floor_ms": 5.0, "image_codes": 2304},
+             "runs": [_run("ar", False, False, 50.0, 7.0), _run("ar", True, False, 8.0, 7.5),
+                      _run("pac+vp", True, False, 16.0, 10.0),
+                      _run("pac+vp", True, True, 10.0, 9.0),
+                      {"mode": "auto", "compiled": True, "stages": True, "error": "failed"}],
+             "generate": {"ms_per_code": 60.0, "new_tokens": 64}}
+    rows = {row["run"]: row for row in gpu_check.against_floor(table)}
+    assert list(rows) == ["ar eager", "ar compiled", "pac+vp compiled", "pac+vp compiled + stages"]
+    assert rows["ar compiled"]["floor_multiple"] == pytest.approx(1.5)  # busy 7.5 / floor 5
+    assert rows["pac+vp compiled + stages"]["ar_step_multiple"] == pytest.approx(9.0 / 7.5)
+    assert rows["pac+vp compiled"]["host_share"] == 0.5
+    projected = {row["decoding"]: row for row in gpu_check.projections(table)["rows"]}
+    assert projected["AR"]["timed_as"] == "ar compiled"  # the faster AR, wall-clock
+    assert projected["AR"]["seconds"] == pytest.approx(2304 * 8.0 / 1e3)
+    assert projected["transformers generate()"]["seconds"] == pytest.approx(2304 * 60.0 / 1e3)
+    assert projected["SJD"]["timed_as"] == "pac+vp compiled + stages"  # the faster compiled row
+    assert projected["SJD"]["seconds"] == pytest.approx(2304 / 2.22 * 10.0 / 1e3)
+    assert projected["SJD-PAC"]["seconds"] == pytest.approx(2304 / 4.51 * 10.0 / 1e3)
+    assert projected["SJD-PAC"]["speedup_vs_ar"] == pytest.approx(8.0 * 4.51 / 10.0)
     assert bandwidth_floor.projected_image_seconds(1000, 2.0, 4.0) == 2.0
-    assert bandwidth_floor.projected_image_seconds(2304, 4.51, 10.0) == pytest.approx(2304 / 4.51 * 10.0 / 1e3)
 
 
 def test_the_chi_square_fails_draws_from_another_distribution():
