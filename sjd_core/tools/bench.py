@@ -139,18 +139,31 @@ def transformers_generate(model: ImageTokenModel, prompt: str, batch: int,
     token = model.class_offset + model.class_of(prompt) if prompt else model.null_token
     ids = torch.full((batch, 1), token, device=model.device)
     negative = torch.full((batch, 1), model.null_token, device=model.device)
-    slots = model.grid[0] * model.grid[1]
+    return generate_seconds(net, ids, negative, sampling, model.grid[0] * model.grid[1], seed,
+                            pad_token_id=model.null_token,
+                            suppress_tokens=list(range(codes, net.config.vocab_size)))
+
+
+def generate_seconds(network, ids, negative_ids, sampling: SamplingSettings, new_tokens: int,
+                     seed: int, pad_token_id: int, suppress_tokens: list[int] | None = None
+                     ) -> float:
+    """Seconds (synchronised) of one transformers ``generate()`` call on ``network`` drawing
+    exactly ``new_tokens`` after ``ids`` with the pack's sampling: guidance against
+    ``negative_ids`` (generate's own, which runs the unconditional context as a second forward
+    per token), temperature, top-k, top-p; in inference mode, as the pack's own loop runs."""
+    import torch
+
     torch.manual_seed(seed)
     start = time.perf_counter()
-    with torch.inference_mode():  # as the pack's own generate runs
-        net.generate(ids, attention_mask=torch.ones_like(ids), negative_prompt_ids=negative,
-                     guidance_scale=sampling.guidance, do_sample=True,
-                     temperature=sampling.temperature, top_k=sampling.top_k or None,
-                     top_p=sampling.top_p, max_new_tokens=slots, min_new_tokens=slots,
-                     suppress_tokens=list(range(codes, net.config.vocab_size)),
-                     pad_token_id=model.null_token, eos_token_id=None)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    with torch.inference_mode():
+        network.generate(ids, attention_mask=torch.ones_like(ids), negative_prompt_ids=negative_ids,
+                         guidance_scale=sampling.guidance, do_sample=True,
+                         temperature=sampling.temperature, top_k=sampling.top_k or None,
+                         top_p=sampling.top_p, max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, suppress_tokens=suppress_tokens,
+                         pad_token_id=pad_token_id, eos_token_id=None)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
     return time.perf_counter() - start
 
 

@@ -18,7 +18,36 @@ Random weights say nothing about acceptance; the table measures costs, and where
   wall-clock, the host's time outside waiting on reads, the device's busy time, codes, reads
   back to the host and blocking host-to-device copies; and the seconds to the first measured
   iteration (which include compiling);
-* peak memory.
+* peak memory;
+* the memory-bandwidth floor of a step (:mod:`.bandwidth_floor`): the bytes one step must read
+  (the weights it uses, and the KV cache at the mean fill over the image: each context's prompt
+  and half the image's codes, conditional and unconditional rows) over the bandwidth of a large
+  copy measured on the device; then every run's time per iteration (the device's busy time on
+  CUDA, the wall-clock elsewhere, as the column says) as a multiple of the floor and of a
+  compiled AR step, its host time's share of its wall time and its seconds to the first
+  measured iteration, with the goals for the next GPU run beside them (compiled AR at most 1.5x
+  the floor; a speculative iteration with its stages compiled at most 1.3x a compiled AR step
+  and its host time at most 20% of its wall time; compiling and capturing at most 120 s cold);
+* transformers' own ``generate()`` on the same network, prompts and sampling (its guidance runs
+  the unconditional context as a second forward per token; the stock forward masks the image
+  tokens, so it draws text tokens): milliseconds per code over a fixed number of tokens;
+* projected image times, marked as such: the image's codes at one code per iteration for AR
+  and ``generate()``, and at the codes per iteration published for Lumina-mGPT 7B at 768 px
+  (SJD 2.22, SJD-PAC 4.51) with the time per iteration of the faster compiled PAC+VP row;
+* a distribution check of the compiled stages (:mod:`.draw_check`): PAC+VP's stages, compiled
+  or captured as a generation runs them, draw 16,384 pairs of codes over a small codebook,
+  compared with their float64 distribution by a chi-square test; PASS or FAIL.
+
+Time: the command must fit in 8 minutes on one H100 from a fresh machine; the estimate is about
+3 minutes. Without the ``compiled + stages`` rows, the floor, ``generate()`` and the draw check
+it took under 2 minutes on an H200 (model built in 10 s). Each ``compiled + stages`` row runs
+about 76 iterations of 10 to 65 ms and records a few graphs: some 10 s. The parts added last,
+estimated from their sizes and from ``--tiny`` on a 2-core CPU (where the whole command takes
+40 to 70 s): the bandwidth, six copies of 1 GiB (under a second); ``generate()``, 66 tokens at
+two eager forwards each, which dispatch in 34 to 58 ms on that H200 (5 to 8 s); the
+projections, arithmetic; the draw check, two stage graphs recorded and six iterations of 16,384
+rows of 34 nodes over 8 codes replayed (a few seconds; 2 to 8 s on the CPU, which compiles the
+stages by inductor instead).
 """
 
 from __future__ import annotations
@@ -28,7 +57,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from operator import itemgetter
 
 import torch
 
@@ -42,6 +73,11 @@ from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina
 from ..models.protocol import GenerationRequest
 from ..models.vqgan import VQGANConfig, VQGANDecoder
 from ..models.session.slot_session import SlotSession
+from . import draw_check
+from .bandwidth_floor import (COPY_REPEATS, PUBLISHED_CODES_PER_ITERATION, StepFloor,
+                              cache_bytes, copy_bandwidth, mean_fill_positions,
+                              projected_image_seconds)
+from .bench import generate_seconds
 from .host_reads import HostReads
 
 PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
@@ -53,6 +89,12 @@ WAYS = {"ar": ((False, False), (True, False)),
         "auto": ((False, False), (True, False), (True, True))}
 FILLS = {"empty": 0.0, "half": 0.5, "full": 1.0}  # share of the image's codes already cached
 FORWARD_NODES = 64  # the largest forward timed: a full cache leaves room for it
+SAMPLING = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
+# goals for the next GPU run, printed beside the values (not pass/fail claims)
+TARGET_AR_FLOOR = 1.5  # compiled AR's step, as a multiple of the floor
+TARGET_AR_STEP = 1.3  # a speculative iteration, as a multiple of a compiled AR step
+TARGET_HOST_SHARE = 0.20  # a speculative iteration's host time, as a share of its wall time
+TARGET_FIRST_SECONDS = 120.0  # compiling and capturing before the first measured iteration, cold
 
 
 @dataclass(frozen=True)
@@ -64,6 +106,9 @@ class Size:
     vocab: int
     vqgan: VQGANConfig
     vq_encoder: dict | None = None  # transformers' ChameleonVQVAEConfig fields (None: the real one)
+    copy_bytes: int = 2**30  # the copy that measures the bandwidth
+    generate_tokens: int = 64  # tokens transformers' generate() draws in its timed call
+    draws: int = 16384  # rows of the draw check
 
 
 REAL = Size(hidden=4096, intermediate=11008, layers=32, heads=32, vocab=65536,  # Chameleon 7B
@@ -72,7 +117,8 @@ TINY = Size(hidden=64, intermediate=128, layers=2, heads=4, vocab=9000,
             vqgan=VQGANConfig(embed_dim=8, z_channels=8, ch=32, ch_mult=(1, 2), num_res_blocks=1,
                               resolution=32),
             vq_encoder={"embed_dim": 8, "latent_channels": 8, "base_channels": 32,
-                        "channel_multiplier": [1, 2], "num_res_blocks": 1, "resolution": 32})
+                        "channel_multiplier": [1, 2], "num_res_blocks": 1, "resolution": 32},
+            copy_bytes=2**28, generate_tokens=16)
 
 
 class _WordTokenizer:
@@ -295,12 +341,11 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
             seen["codes"] = report.codes[:, :done].cpu()
             raise _Stop
 
-    sampling = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
     seen["started"] = time.perf_counter()
     try:
         with _Compiling() as compiling:
-            generate(model, request, sampling, settings, seed=0, on_iteration=step)
+            generate(model, request, SAMPLING, settings, seed=0, on_iteration=step)
     except _Stop:
         pass
     finally:
@@ -334,31 +379,61 @@ def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, i
             counted: int, profiled: int, repeats: int, show=None) -> dict:
     """Every number of the table; ``show(table)`` after each step (the table so far)."""
     show = show or (lambda table: None)
+    bandwidth = copy_bandwidth(device, size.copy_bytes)  # before the model takes the memory
     built = time.perf_counter()
     model = build_model(size, device, dtype)
     table = {"model": f"Lumina-mGPT layout, {size.layers} layers x {size.hidden}, "
                       f"{str(dtype).removeprefix('torch.')}, {device}, 768 px, guidance on",
              "build_seconds": time.perf_counter() - built, "forwards": [], "runs": [],
              "peak_memory_gib": None}
+    table["floor"] = step_floor(model, bandwidth, size.copy_bytes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    measure_forwards(model, table, repeats, show)
+    measure_runs(model, table, (warmup, iterations, counted, profiled), show)
+    table["generate"] = _attempt(lambda: time_generate(model, size.generate_tokens))
+    table["against_floor"] = against_floor(table)
+    table["projected"] = projections(table)
+    show(table)
+    # the modes' compiled graphs are done with; with them still held, the check's new shapes of
+    # the same stages compiled about twice as long on a CPU
+    torch.compiler.reset()
+    table["draw_check"] = _attempt(lambda: draw_check.run_check(device, size.draws))
+    show(table)
+    return table
+
+
+def _attempt(part: Callable[[], dict]) -> dict:
+    """``part()``, or what it raised: one part failing leaves the others' numbers."""
+    try:
+        return part()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def measure_forwards(model: ChameleonImageModel, table: dict, repeats: int, show) -> None:
+    """The forwards table: every forward shape at every cache fill."""
     for fill, share in FILLS.items():
         session, committed = filled_session(model, share)
-        for name, tree in forward_shapes(device).items():
+        for name, tree in forward_shapes(model.device).items():
             timed = time_forward(model, session, committed, tree, repeats)
             table["forwards"].append({"nodes": name, "cache": fill, "cached_codes": committed,
                                       **timed})
         del session
         show(table)
-    eager_codes = {}
+
+
+def measure_runs(model: ChameleonImageModel, table: dict, counts: tuple[int, int, int, int],
+                 show) -> None:
+    """Every mode every way (``counts``: warm-up, timed, counted and profiled iterations), the
+    compiled codes compared with the eager ones, and the peak memory so far."""
+    eager_codes, device = {}, model.device
     for preset in MODES:
         for compiled, stages in WAYS[preset]:
-            try:
-                run = run_mode(model, preset, compiled, warmup, iterations, counted, profiled,
-                               stages)
-            except Exception as error:  # one mode failing leaves the others' numbers
+            run = _attempt(lambda: run_mode(model, preset, compiled, *counts, stages))
+            if "error" in run:
                 table["runs"].append({"mode": preset, "compiled": compiled, "stages": stages,
-                                      "error": f"{type(error).__name__}: {error}"})
+                                      **run})
                 show(table)
                 continue
             codes = run.pop("codes")
@@ -371,7 +446,55 @@ def measure(size: Size, device: torch.device, dtype: torch.dtype, warmup: int, i
             if device.type == "cuda":
                 table["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             show(table)
-    return table
+
+
+def weights_read(model: ChameleonImageModel) -> int:
+    """Bytes of the weights one step reads: every decoder layer's and the final norm's, and the
+    head's codebook rows (the session's logits cover the codebook alone); the embedding table is
+    only indexed, and the image tokenizer is not used."""
+    backbone, head = model.model.model, model.model.lm_head.weight
+    read = [*backbone.layers.parameters(), *backbone.norm.parameters()]
+    return (sum(p.numel() * p.element_size() for p in read)
+            + model.codebook_size * head.shape[1] * head.element_size())
+
+
+def step_floor(model: ChameleonImageModel, bandwidth: float, copy_bytes: int) -> dict:
+    """The floor of a guided step at the mean fill over an image (each context's prompt and
+    half the image's codes), and at the session's whole cache capacity, which its attention
+    reads under a mask (:mod:`.models.session.kv_store`)."""
+    session = model.start(GenerationRequest(prompt=PROMPT, guidance=SAMPLING.guidance,
+                                            resolution=RESOLUTION))
+    codes = session.grid_height * session.grid_width
+    positions = mean_fill_positions(len(model.prompt_ids(PROMPT, RESOLUTION)),
+                                    len(model.unconditional_ids(RESOLUTION)), codes)
+    capacity = session.store.rows * session.store.capacity
+    shape, weights = model.memory_shape, weights_read(model)
+    at_fill = StepFloor(weights, cache_bytes(shape, positions), bandwidth)
+    at_capacity = StepFloor(weights, cache_bytes(shape, capacity), bandwidth)
+    return {"copy_bytes": copy_bytes, "bandwidth_gb_s": bandwidth / 1e9, "image_codes": codes,
+            "cached_positions": positions, "weight_bytes": weights,
+            "cache_bytes": at_fill.cache_bytes, "step_bytes": at_fill.step_bytes,
+            "floor_ms": at_fill.floor_ms, "capacity_positions": capacity,
+            "capacity_step_bytes": at_capacity.step_bytes,
+            "capacity_floor_ms": at_capacity.floor_ms}
+
+
+def time_generate(model: ChameleonImageModel, new_tokens: int) -> dict:
+    """transformers' own ``generate()`` on the same network, prompts and sampling (guided by
+    its own classifier-free guidance: the unconditional context as a second forward per token):
+    milliseconds per code from a call of ``new_tokens`` less one of a single token (which holds
+    the prompts' prefill), after an untimed call. The stock forward masks the image tokens, so
+    it draws text tokens: it measures the cost per token."""
+    ids = torch.tensor([model.prompt_ids(PROMPT, RESOLUTION)], device=model.device)
+    negative = torch.tensor([model.unconditional_ids(RESOLUTION)], device=model.device)
+
+    def seconds(tokens: int) -> float:
+        return generate_seconds(model.model, ids, negative, SAMPLING, tokens, seed=0,
+                                pad_token_id=model.model.config.pad_token_id)
+    seconds(1)
+    first = seconds(1)
+    return {"new_tokens": new_tokens, "guided": True,
+            "ms_per_code": 1e3 * (seconds(new_tokens) - first) / (new_tokens - 1)}
 
 
 def _compare(eager: torch.Tensor, compiled: torch.Tensor) -> tuple[int, int | None]:
@@ -379,6 +502,70 @@ def _compare(eager: torch.Tensor, compiled: torch.Tensor) -> tuple[int, int | No
     n = min(eager.shape[1], compiled.shape[1])
     differs = (eager[:, :n] != compiled[:, :n]).any(0).nonzero()
     return n, int(differs[0]) if len(differs) else None
+
+
+def _step_ms(run: dict) -> float:
+    """A run's milliseconds per iteration: the device's busy time where it was measured
+    (CUDA), the wall-clock elsewhere."""
+    busy = run["busy_ms_per_iteration"]
+    return run["ms_per_iteration"] if busy is None else busy
+
+
+def targets_of(run: dict) -> list[str]:
+    """The goals for the next GPU run that apply to ``run`` (printed beside its values)."""
+    targets = [f"x floor <= {TARGET_AR_FLOOR}"] if run["mode"] == "ar" and run["compiled"] else []
+    if run["stages"]:
+        targets += [f"x compiled AR step <= {TARGET_AR_STEP}",
+                    f"host <= {TARGET_HOST_SHARE:.0%} of wall"]
+    if run["compiled"]:
+        targets.append(f"s to first measured <= {TARGET_FIRST_SECONDS:.0f} cold")
+    return targets
+
+
+def against_floor(table: dict) -> list[dict]:
+    """Every measured run's time per iteration as a multiple of the floor and of a compiled AR
+    step, its host time's share of its wall time, and the targets that apply to it."""
+    floor_ms = table["floor"]["floor_ms"]
+    runs = [r for r in table["runs"] if "error" not in r]
+    ar = next((r for r in runs if r["mode"] == "ar" and r["compiled"]), None)
+    return [{"run": run_name(r),
+             "time": "wall" if r["busy_ms_per_iteration"] is None else "device busy",
+             "ms_per_iteration": _step_ms(r), "floor_multiple": _step_ms(r) / floor_ms,
+             "ar_step_multiple": None if ar is None else _step_ms(r) / _step_ms(ar),
+             "host_share": r["host_ms_per_iteration"] / r["ms_per_iteration"],
+             "warmup_seconds": r["warmup_seconds"], "targets": targets_of(r)} for r in runs]
+
+
+def _projected(decoding: str, codes_per_iteration: float, published: bool, timed_as: str,
+               ms_per_iteration: float, codes: int) -> dict:
+    """One row of the projected image times."""
+    return {"decoding": decoding, "codes_per_iteration": codes_per_iteration,
+            "published": published, "timed_as": timed_as, "ms_per_iteration": ms_per_iteration,
+            "seconds": projected_image_seconds(codes, codes_per_iteration, ms_per_iteration)}
+
+
+def projections(table: dict) -> dict:
+    """Image times projected from measured wall-clock times per iteration: AR (the faster)
+    and ``generate()`` at one code per iteration, SJD and SJD-PAC at their published codes
+    per iteration, each iteration as long as the faster compiled PAC+VP row's; the speed-up
+    against AR."""
+    codes = table["floor"]["image_codes"]
+    runs = [r for r in table["runs"] if "error" not in r]
+    wall = itemgetter("ms_per_iteration")
+    ar = min((r for r in runs if r["mode"] == "ar"), key=wall, default=None)
+    rows = [] if ar is None else [_projected("AR", 1.0, False, run_name(ar), wall(ar), codes)]
+    if "ms_per_code" in table["generate"]:
+        rows.append(_projected("transformers generate()", 1.0, False, "generate()",
+                               table["generate"]["ms_per_code"], codes))
+    pac = min((r for r in runs if r["mode"] == "pac+vp" and r["compiled"]), key=wall,
+              default=None)
+    if pac is not None:
+        rows += [_projected(name, rate, True, run_name(pac), wall(pac), codes)
+                 for name, rate in PUBLISHED_CODES_PER_ITERATION.items()]
+    ar_seconds = rows[0]["seconds"] if rows and rows[0]["decoding"] == "AR" else None
+    for row in rows:
+        row["speedup_vs_ar"] = None if ar_seconds is None else ar_seconds / row["seconds"]
+    return {"image_codes": codes, "rows": rows}
 
 
 def _ms(value: float | None) -> str:
@@ -432,7 +619,82 @@ def format_table(table: dict) -> str:
             lines.append(f"  {run_name(r)}: {baseline / per_code:.2f}x")
     if table["peak_memory_gib"] is not None:
         lines.append(f"peak memory: {table['peak_memory_gib']:.1f} GiB")
+    lines += format_floor(table) + format_generate(table) + format_projected(table)
+    if "draw_check" in table:
+        lines += ["", draw_check.describe(table["draw_check"])]
     return "\n".join(lines)
+
+
+def _gb(count: int) -> str:
+    """Bytes in GB (MB below one GB: the toy model's)."""
+    return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.2f} MB"
+
+
+def format_floor(table: dict) -> list[str]:
+    """The bandwidth and the floor, then every run against them, with the targets beside."""
+    if "floor" not in table:
+        return []
+    f = table["floor"]
+    lines = ["", f"memory-bandwidth floor: a copy of {f['copy_bytes'] / 2**20:,.0f} MiB moved "
+                 f"{f['bandwidth_gb_s']:,.1f} GB/s (read + written, the fastest of "
+                 f"{COPY_REPEATS}); a step reads {_gb(f['weight_bytes'])} of weights and "
+                 f"{_gb(f['cache_bytes'])} of KV cache at the mean fill over the image "
+                 f"({f['cached_positions']:,} positions: each context's prompt and half the "
+                 f"image's {f['image_codes']:,} codes, conditional and unconditional rows) = "
+                 f"{_gb(f['step_bytes'])}: floor {f['floor_ms']:.3f} ms per step",
+             f"(the session's attention reads its whole cache, {f['capacity_positions']:,} "
+             f"positions: {_gb(f['capacity_step_bytes'])}, {f['capacity_floor_ms']:.3f} ms)"]
+    rows = table.get("against_floor", [])
+    if rows:
+        clock = ("device busy" if all(r["time"] == "device busy" for r in rows)
+                 else "wall (no device busy time here)")
+        lines += ["", f"| mode | {clock} ms / iteration | x floor | x compiled AR step | "
+                      "host / wall | s to first measured | targets for the next GPU run |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['run']} | {r['ms_per_iteration']:.3f} | {r['floor_multiple']:.2f}x | "
+                  f"{_times(r['ar_step_multiple'])} | {r['host_share']:.0%} | "
+                  f"{r['warmup_seconds']:.1f} | {'; '.join(r['targets']) or '-'} |" for r in rows]
+        lines.append("AR commits one code per iteration: its rows are per code. Targets are "
+                     "goals, not results; the modes are timed near the image's start, below the "
+                     "mean fill the floor counts.")
+    return lines
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def format_generate(table: dict) -> list[str]:
+    """transformers' ``generate()``: its time per code, and that against the floor."""
+    timed = table.get("generate")
+    if timed is None:
+        return []
+    name = ("transformers generate() (its own guidance, a second forward per token; the stock "
+            "forward masks the image tokens, so it draws text tokens)")
+    if "error" in timed:
+        return ["", f"{name}: failed: {timed['error'][:200]}"]
+    return ["", f"{name}: {timed['ms_per_code']:.2f} ms per code (wall; {timed['new_tokens']} "
+                f"tokens after the prompt, the prefill taken out), "
+                f"{timed['ms_per_code'] / table['floor']['floor_ms']:.2f}x the floor"]
+
+
+def format_projected(table: dict) -> list[str]:
+    """The projected image times, marked as projected."""
+    projected = table.get("projected")
+    if not projected or not projected["rows"]:
+        return []
+    lines = ["", f"projected image time, not measured (768 px, {projected['image_codes']:,} "
+                 "codes; codes per iteration as published for Lumina-mGPT 7B at 768 px, times "
+                 "per iteration measured here, wall-clock; prefill and image decoding not "
+                 "counted):",
+             "| decoding | codes / iteration | ms / iteration | timed as | projected s / image | "
+             "speed-up vs AR |",
+             "| --- | ---: | ---: | --- | ---: | ---: |"]
+    for r in projected["rows"]:
+        rate = f"{r['codes_per_iteration']:.2f}" + (" (published)" if r["published"] else "")
+        lines.append(f"| {r['decoding']} | {rate} | {r['ms_per_iteration']:.2f} | "
+                     f"{r['timed_as']} | {r['seconds']:.1f} | {_times(r['speedup_vs_ar'])} |")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
