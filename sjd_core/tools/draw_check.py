@@ -1,8 +1,8 @@
 """Do the compiled speculative stages draw from the target? A short chi-square check on a device.
 
 PAC+VP's stages (:func:`.stages.draft`, then :func:`.stages.conclude`: verify, commit and
-advance), run as a generation runs them (:func:`sjd_core.compiled.compile_stages`: CUDA graphs on
-CUDA, inductor elsewhere), decode many rows at once on a bigram network: the logits after a fed
+advance), run as a generation runs them (:func:`sjd_core.compiled.compile_stages`: inductor, in
+its CUDA-graph mode on CUDA), decode many rows at once on a bigram network: the logits after a fed
 code are a fixed row of a random table over a small codebook (a conditional and an
 unconditional table, guided). The image is then a Markov chain whose target after code ``a`` is
 row ``a`` of ``P`` (guidance, temperature and top-k applied to the tables in float64, written

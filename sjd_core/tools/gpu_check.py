@@ -14,7 +14,7 @@ Random weights say nothing about acceptance; the table measures costs, and where
   time means the forward is bound by kernel launches, not by the device;
 * plain autoregression, PAC+VP and auto, each eager and compiled (``compile=True``: CUDA graphs
   over a static cache on CUDA), and PAC+VP and auto with their stages compiled too
-  (``compile_stages=True``: CUDA graphs on CUDA, inductor elsewhere): per iteration the
+  (``compile_stages=True``: inductor, in its CUDA-graph mode on CUDA): per iteration the
   wall-clock, the host's time outside waiting on reads, the device's busy time, codes, reads
   back to the host and blocking host-to-device copies; and the seconds to the first measured
   iteration (which include compiling);
