@@ -194,6 +194,9 @@ class LiveProgress:
 
     def on_iteration(self, report: IterationReport) -> None:
         comfy_bridge.check_interrupted()
+        if report.compiling:  # before a step that may compile for seconds: the node says so
+            self._send(report, compiling=True)
+            return
         total = report.total * self.batch
         if self.bar is None:
             self.bar = comfy_bridge.Progress(total, clock=self.clock,
@@ -211,14 +214,16 @@ class LiveProgress:
         if self.last is not None and self.sent < len(self.accepted):
             self._send(self.last)
 
-    def _send(self, report: IterationReport) -> None:
+    def _send(self, report: IterationReport, compiling: bool = False) -> None:
         """One chart message: the mean accepted length of every step since the previous message
-        (oldest first; ``iteration`` is the last one's) and the latest committed counts."""
+        (oldest first; ``iteration`` is the last one's), the latest committed counts, and
+        whether a new shape is compiling now."""
         steps = [round(a, 3) for a in self.accepted[self.sent:]]
         self.sent = len(self.accepted)
         comfy_bridge.send(PROGRESS_EVENT, {
             "node": self.node_id, "iteration": report.iteration, "steps": steps,
-            "committed": report.committed, "total": report.total, "mode": self.mode})
+            "committed": report.committed, "total": report.total, "mode": self.mode,
+            "compiling": compiling})
 
     def _preview(self, report: IterationReport) -> Image.Image | None:
         """The first image's finished code rows, decoded, at most every PREVIEW_SECONDS; nothing

@@ -34,6 +34,7 @@ own), later shapes run eagerly.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -91,11 +92,26 @@ class _PerShape:
         self.eager_shapes: set[tuple] = set()
         self.compilations = 0
         self.failure: str | None = None
+        self.on_first_call: Callable[[], None] | None = None  # told before a call that may compile
+        self.first_call_seconds = 0.0  # seconds of the calls that may have compiled
 
     def report(self) -> dict:
-        """What the trace records: shapes compiled and run eagerly, and the failure if any."""
+        """What the trace records: shapes compiled and run eagerly, seconds of the calls that
+        may have compiled, and the failure if any."""
         return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
-                "failure": self.failure}
+                "compile_seconds": round(self.first_call_seconds, 3), "failure": self.failure}
+
+    def _first_call(self, shape: tuple, call: Callable[[], object]) -> object:
+        """``call()``; where it is the first of ``shape`` (it may compile or record, seconds on
+        a CPU), ``on_first_call`` is told first and its time counted in ``first_call_seconds``."""
+        if shape in self.shapes:
+            return call()
+        if self.on_first_call is not None:
+            self.on_first_call()
+        started = time.perf_counter()
+        result = call()
+        self.first_call_seconds += time.perf_counter() - started
+        return result
 
     def _runs_eagerly(self, shape: tuple) -> bool:
         """Whether a call of ``shape`` runs uncompiled: after a failure, past the cap (recorded
@@ -136,7 +152,7 @@ class CompiledNetwork(_PerShape):
         if self._runs_eagerly(shape):
             return self._eager(*tensors)
         try:
-            hidden = self._compiled(*tensors)
+            hidden = self._first_call(shape, lambda: self._compiled(*tensors))
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
             return self._eager(*tensors)
@@ -172,7 +188,7 @@ class CompiledStages(_PerShape):
             if compiled is None:
                 compiled = self._compiled[function] = torch.compile(function, fullgraph=True,
                                                                     mode=self.mode)
-            result = compiled(*args)
+            result = self._first_call(key, lambda: compiled(*args))
         except Exception as error:  # eager from here on (see the module)
             self.failure = _failure(error, self.SETTING, "the decoding stages")
             return function(*args)
@@ -262,7 +278,8 @@ class CapturedNetwork(_PerShape):
         if not self._ready() or addresses != tuple(b.data_ptr() for b in self._buffers()):
             return hidden  # that run allocated or moved the cache: record at the next call
         try:
-            self._graphs[shape] = _Graph(self._eager, tensors, self._stream)
+            self._graphs[shape] = self._first_call(
+                shape, lambda: _Graph(self._eager, tensors, self._stream))
         except Exception as error:  # recording refused an operation: eager from here on
             self._graphs.clear()
             self.failure = _failure(error, step="recording a CUDA graph")

@@ -404,3 +404,43 @@ def test_compile_must_be_a_bool_or_none(value):
     with pytest.raises(ValueError, match=rf"compile={value!r} is not allowed: compile must be "
                                          r"True, False or None \(on for CUDA only\)"):
         AccelerationSettings(compile=value)
+
+
+def test_a_step_that_may_compile_is_announced_before_it_and_its_time_summed(model, monkeypatch):
+    """Before the first call of each shape (it may compile, seconds on a CPU) the progress hears a
+    ``compiling`` report; the seconds of those calls reach the summary line, and the command-line
+    bar says so while they run."""
+    import time
+
+    def slow_first_compile(network, **options):
+        seen = set()
+
+        def compiled_network(*args):
+            shapes = tuple(arg.shape for arg in args)
+            if shapes not in seen:  # compiles: 0.6 s
+                seen.add(shapes)
+                time.sleep(0.6)
+            return network(*args)
+        return compiled_network
+
+    monkeypatch.setattr(torch, "compile", slow_first_compile)
+    reports = []
+    result = generate(model, GenerationRequest(prompt="a red fox"), SAMPLING,
+                      replace(MODES["sjd"], compile=True), seed=3, on_iteration=reports.append)
+    compiling = [r for r in reports if r.compiling]
+    report = result.trace.meta["compile"]
+    assert len(compiling) == report["compiled_shapes"] >= 1
+    assert report["compile_seconds"] >= 0.6 * len(compiling)
+    assert len(reports) - len(compiling) == result.trace.summary()["nfe"]
+    summary = result.trace.summary()
+    assert summary["compile_seconds"] == report["compile_seconds"]
+    assert f"compiling took {summary['compile_seconds']:.1f} s (once per process)" in \
+        summary_text(summary)
+    from sjd_core.tools.cli import COMPILING, ImageProgress
+
+    bar = ImageProgress("SJD")
+    bar(compiling[0])
+    assert bar.bar.postfix == COMPILING
+    bar(next(r for r in reports if not r.compiling))
+    assert not bar.bar.postfix
+    bar.close()

@@ -237,3 +237,21 @@ def test_preview_method_none_decodes_nothing_and_sends_no_image(monkeypatch, bar
         assert adapter.calls >= 1 and len(images) >= 2
         assert images[0].size == (128, 128) and not np.asarray(images[0]).any()
         assert all(preview[2] == 128 for _, _, preview in bar_updates if preview)
+
+
+def test_a_step_that_may_compile_is_announced_at_once_and_adds_no_step(sent, monkeypatch):
+    """The engine reports ``compiling`` before a step whose shape may compile (seconds on a
+    CPU): the chart hears it at once, whatever the throttle, and counts no step for it."""
+    monkeypatch.setattr(comfy_bridge, "check_interrupted", lambda: None)
+    clock = FakeClock()
+    watcher = generation.LiveProgress(None, (8, 8), 1, "9", "AUTO", clock=clock)
+    watcher.previews = False
+    codes = torch.zeros(1, TOTAL, dtype=torch.long)
+    watcher.on_iteration(IterationReport(1, [1], [1], TOTAL, codes, "AR"))
+    watcher.on_iteration(IterationReport(1, [1], [0], TOTAL, codes, "compiling", compiling=True))
+    clock.now += 1.0
+    watcher.on_iteration(IterationReport(2, [5], [4], TOTAL, codes, "window 4"))
+    messages = [m for event, m in sent if event == generation.PROGRESS_EVENT]
+    assert [(m["compiling"], m["steps"]) for m in messages] == [(False, [1.0]), (True, []),
+                                                               (False, [4.0])]
+    assert watcher.accepted == [1.0, 4.0]

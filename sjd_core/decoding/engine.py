@@ -49,6 +49,7 @@ class IterationReport:
     total: int  # slots per image
     codes: torch.Tensor  # (B, total) on the model's device; row b is valid up to committed[b]
     shape: str  # what this iteration fed, e.g. "AR", "chain 8", "tree 4x3 + chain 16"
+    compiling: bool = False  # sent before the iteration: it runs a shape that may compile first
 
 
 @dataclass
@@ -237,12 +238,14 @@ class _Decoder:
         if self.state is not None:
             self.state = self.state.rows(index)
 
-    def report(self, accepted: list[int], shape: str) -> IterationReport:
+    def report(self, accepted: list[int], shape: str, compiling: bool = False
+               ) -> IterationReport:
         batch = self.recorder.batch
         committed, gained = [self.slots] * batch, [0] * batch
         for i, row in enumerate(self.rows):
             committed[row], gained[row] = self.done[i], accepted[i]
-        return IterationReport(self.iteration, committed, gained, self.slots, self.grids, shape)
+        return IterationReport(self.iteration, committed, gained, self.slots, self.grids, shape,
+                               compiling)
 
 
 FALLBACK_MEMORY = 16 * 2**30  # bytes assumed free where the device cannot say
@@ -348,6 +351,10 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
     decoder = _Decoder(model, session, sampling, acceleration, seed, device, count_vp_rises,
                        stages)
     marks.append(decoder.recorder.clock)
+    if on_iteration is not None:  # compiling takes seconds: the progress says so before
+        for runner in compiled.values():
+            runner.on_first_call = lambda: on_iteration(
+                decoder.report([0] * len(decoder.rows), "compiling", compiling=True))
     while decoder.rows:
         tree = plan.choose()
         warm = decoder.state is not None

@@ -29,6 +29,7 @@ FORCED_MASS = 1.0 - 1e-6  # a target this sure of one code left no choice: a for
 # likeliest code that had risen was the committed one.
 RISE_COUNTS = ("slots", "committed_code_rose", "some_code_rose", "likeliest_riser_committed")
 TRACE_VERSION = 2
+COMPILE_NOTED = 0.5  # seconds of compiling from which the summary line mentions it
 
 
 class Clock:
@@ -310,6 +311,8 @@ class Trace:
                               for code, name in DRAFT_SOURCES.items() if code},
             "warnings": [str(w) for w in self.meta.get("warnings", [])],
             "auto_choice": self.meta.get("auto_choice"),
+            "compile_seconds": sum(self.meta.get(name, {}).get("compile_seconds", 0.0)
+                                   for name in ("compile", "compile_stages")),
             "unconditional": bool(self.meta.get("unconditional", False)),
             "vp_rises": dict(self.meta.get("vp_rises", {})),
         }
@@ -471,4 +474,6 @@ def summary_text(summary: dict[str, Any]) -> str:
         text += "; steps by shape: " + shape_counts_text(shapes, shown=4)
     if summary.get("auto_choice"):
         text += f"; fed {summary['auto_choice']}"
+    if summary.get("compile_seconds", 0.0) >= COMPILE_NOTED:
+        text += f"; compiling took {summary['compile_seconds']:.1f} s (once per process)"
     return text + "".join(f". WARNING: {w}" for w in summary.get("warnings", []))

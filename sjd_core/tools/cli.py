@@ -35,6 +35,9 @@ def set_threads(requested: int) -> int:
     return count
 
 
+COMPILING = "compiling a new shape (once per process)"  # the bar's note while it does
+
+
 class ImageProgress:
     """A progress bar with ETA for one generated image (or batch), fed by the engine's
     ``on_iteration`` reports; codes committed so far out of all codes.
@@ -55,14 +58,19 @@ class ImageProgress:
 
         total, done = report.total * len(report.committed), sum(report.committed)
         now = time.monotonic()
-        if done < total and now < self.next_draw:
+        noted = self.bar is not None and bool(self.bar.postfix)  # the compiling note, to clear
+        if done < total and now < self.next_draw and not (report.compiling or noted):
             return
         self.next_draw = now + self.REFRESH
         if self.bar is None:
             self.bar = tqdm(total=total, desc=self.label, unit="code", leave=False,
                             file=sys.stderr, dynamic_ncols=True, mininterval=self.REFRESH,
                             miniters=1)
+        if report.compiling or noted:  # said while a new shape compiles
+            self.bar.set_postfix_str(COMPILING if report.compiling else "", refresh=False)
         self.bar.update(done - self.bar.n)
+        if report.compiling:
+            self.bar.refresh()
         if done >= total:
             self.bar.refresh()  # show the finished bar, whatever the refresh interval skipped
             self.close()

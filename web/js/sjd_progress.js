@@ -272,7 +272,8 @@ class SamplerChart {
   // One message covers every step since the previous one: ``steps`` holds their mean accepted
   // lengths, oldest first, and ``iteration`` is the last one's number. The chart and the running
   // line are drawn at the next animation frame, once however many messages came before it; the
-  // running line does not wrap, so the node keeps its size for the whole run.
+  // running line does not wrap, so the node keeps its size for the whole run. A message sent
+  // before a step that may compile (``compiling``) says so until the next one.
   progress(detail) {
     for (const value of detail.steps ?? []) this.accepted.push(value);
     this.committed = detail.committed.reduce((a, b) => a + b, 0);
@@ -280,7 +281,8 @@ class SamplerChart {
     const mean = this.accepted.reduce((a, b) => a + b, 0) / Math.max(this.accepted.length, 1);
     this.live =
       `${detail.mode}: step ${detail.iteration}, ${this.committed}/${this.total} codes, ` +
-      `mean ${mean.toFixed(2)} per step`;
+      (detail.compiling ? "compiling a new shape (once per session)..."
+                        : `mean ${mean.toFixed(2)} per step`);
     if (this.status.style.whiteSpace !== "nowrap") this.setStatus(this.live, true);
     this.scheduleDraw();
   }
