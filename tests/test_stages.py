@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from sjd_core.compiled import _map_tensors
 from sjd_core.decoding import engine, sampling, stages
 from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
@@ -29,7 +28,14 @@ MODES = {"sjd": AccelerationSettings.preset("sjd", window=6),
 
 def _copied(value):
     """``value`` with every tensor in it cloned (dataclasses, tuples and lists followed)."""
-    return _map_tensors(torch.clone, value)
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{field.name: _copied(getattr(value, field.name))
+                                             for field in dataclasses.fields(value)})
+    return value
 
 
 def _same(got, want) -> None:
@@ -78,7 +84,7 @@ def test_each_stage_traces_as_one_graph_and_gives_the_engines_result(model, mode
              seed=3)
     assert kept["calls"] > CALLED_AT
     args, kwargs = kept["inputs"]
-    torch._dynamo.reset()  # graphs other tests compiled of this stage count to torch's limit
+    torch.compiler.reset()  # graphs other tests compiled of this stage count to torch's limit
     traced = torch.compile(stage, fullgraph=True, backend="eager", dynamic=False)
     with torch.inference_mode():
         result = traced(*args, **kwargs)
