@@ -35,7 +35,8 @@ own), later shapes run eagerly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -163,8 +164,9 @@ class CompiledNetwork(_PerShape):
 class CompiledStages(_PerShape):
     """Functions of tensors (the decoding stages) compiled whole by inductor
     (``fullgraph=True``, automatic dynamic shapes; ``mode`` ``"reduce-overhead"`` adds CUDA
-    graphs on CUDA) and called per shape the caller names (a tree shape and the batch's rows),
-    or eager after a failure (see the module).
+    graphs on CUDA) per shape the caller names (a tree shape: each function and shape compiles
+    under a code object of its own, :func:`_own_code`) and called with the batch's ``rows``, or
+    eager after a failure (see the module).
 
     Where the network is one graph, the stages around it still dispatch their operations one by
     one: some 400 per iteration of PAC+VP, each a kernel launch on a GPU. Compiled, they become
@@ -177,17 +179,17 @@ class CompiledStages(_PerShape):
     def __init__(self, mode: str | None = None) -> None:
         super().__init__(lambda: True)
         self.mode = mode
-        self._compiled: dict[Callable, Callable] = {}
+        self._compiled: dict[tuple, Callable] = {}
 
-    def __call__(self, function: Callable, shape: tuple, *args):
-        key = (function, shape)
+    def __call__(self, function: Callable, shape: Hashable, rows: int, *args):
+        key = (function, shape, rows)
         if self._runs_eagerly(key):
             return function(*args)
         try:
-            compiled = self._compiled.get(function)
+            compiled = self._compiled.get(key[:2])
             if compiled is None:
-                compiled = self._compiled[function] = torch.compile(function, fullgraph=True,
-                                                                    mode=self.mode)
+                compiled = self._compiled[key[:2]] = torch.compile(
+                    _own_code(function, shape), fullgraph=True, mode=self.mode)
             result = self._first_call(key, lambda: compiled(*args))
         except Exception as error:  # eager from here on (see the module)
             self.failure = _failure(error, self.SETTING, "the decoding stages")
@@ -198,6 +200,25 @@ class CompiledStages(_PerShape):
     def report(self) -> dict:
         """The shapes' report, and the calls that may have compiled."""
         return {**super().report(), "graphs": self.compilations}
+
+
+_OWN_CODE: dict[tuple, types.FunctionType] = {}
+
+
+def _own_code(function: types.FunctionType, key: Hashable) -> types.FunctionType:
+    """``function`` under a code object of its own for ``key``, the same one for the same key
+    all through the process. Torch keeps a function's graphs, and counts them against its limit
+    of graphs per function (``recompile_limit``, 8 by default; past it a ``fullgraph`` function
+    fails), per code object: each tree shape of a stage then has its own few graphs (a batch's
+    rows leaving add some), and every later generation finds them."""
+    own = _OWN_CODE.get((function.__code__, key))
+    if own is None:
+        code = function.__code__.replace()  # equal, but another object
+        own = types.FunctionType(code, function.__globals__, function.__name__,
+                                 function.__defaults__, function.__closure__)
+        own.__kwdefaults__ = function.__kwdefaults__
+        _OWN_CODE[(function.__code__, key)] = own
+    return own
 
 
 def _shape_of(tensors: tuple[torch.Tensor, ...]) -> tuple:

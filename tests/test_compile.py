@@ -448,3 +448,27 @@ def test_a_step_that_may_compile_is_announced_before_it_and_its_time_summed(mode
     bar(next(r for r in reports if not r.compiling))
     assert not bar.bar.postfix
     bar.close()
+
+
+def _tagged(values: torch.Tensor, tag: str) -> torch.Tensor:
+    """A stage whose graph depends on a value torch cannot make symbolic (a string)."""
+    return values * 2 if tag.endswith("0") else values + len(tag)
+
+
+def test_each_stage_shape_compiles_under_its_own_code_object_past_torch_s_limit():
+    """Torch keeps at most 8 graphs per code object (``recompile_limit``; past it a fullgraph
+    function fails): twelve shapes that each need a graph of their own all run compiled, and the
+    same shape in a later generation finds its graph (nothing compiles again)."""
+    values = torch.arange(3.0)
+    stages = CompiledStages()
+    for number in range(12):
+        tag = f"shape {number}"
+        want = _tagged(values, tag)
+        assert torch.equal(stages(_tagged, (number,), 3, values, tag), want)
+    assert stages.report()["failure"] is None and stages.report()["compiled_shapes"] == 12
+    later = CompiledStages()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(later(_tagged, (5,), 3, values, "shape 5"), _tagged(values, "shape 5"))
+    assert later.report()["failure"] is None
+    assert compiled._own_code(_tagged, (5,)) is compiled._own_code(_tagged, (5,))
+    assert compiled._own_code(_tagged, (5,)).__code__ is not _tagged.__code__

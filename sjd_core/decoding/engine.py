@@ -161,11 +161,11 @@ class _Decoder:
 
     def _stage_runner(self, tree: DraftTree) -> Callable:
         """Runs a stage of :mod:`.stages` on its arguments: compiled where the stages are
-        (``compile_stages``; named by tree shape and rows), as it is otherwise."""
+        (``compile_stages``; per tree shape, with the batch's rows), as it is otherwise."""
         if self.compiled_stages is None:
             return lambda function, *args: function(*args)
-        shape = (tree.window, tree.profile, len(self.rows))
-        return lambda function, *args: self.compiled_stages(function, shape, *args)
+        shape, rows = (tree.window, tree.profile), len(self.rows)
+        return lambda function, *args: self.compiled_stages(function, shape, rows, *args)
 
     def _fit_window(self, window: int) -> None:
         """A window state of ``window`` offsets: empty after plain autoregressive steps, cut or

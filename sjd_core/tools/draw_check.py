@@ -120,8 +120,8 @@ def draw_pairs(cond: torch.Tensor, uncond: torch.Tensor, sampling: SamplingSetti
         numbers = IterationUniforms.take(stream, tree.size, tree.branching, tree.window,
                                          tree.tree_levels, VOCAB)
         canvas = Canvas(kept.codes, kept.row_start, kept.committed, kept.anchor, slots, slots)
-        drafts = run(draft, shape, kept.state, tree, canvas, settings.init, numbers)
-        outcome = run(conclude, shape, tree, cond[drafts.tokens], uncond[drafts.tokens], sampling,
+        drafts = run(draft, shape, rows, kept.state, tree, canvas, settings.init, numbers)
+        outcome = run(conclude, shape, rows, tree, cond[drafts.tokens], uncond[drafts.tokens], sampling,
                       sampling.guidance, drafts, kept.state, numbers, rule, False, kept.committed,
                       kept.row_start, kept.codes, None, slots, slots, settings)
         kept.state, kept.committed, kept.anchor = outcome.state, outcome.committed, outcome.anchor

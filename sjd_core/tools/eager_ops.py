@@ -1,0 +1,113 @@
+"""How many torch operations one decoding iteration dispatches outside compiled code.
+
+On a GPU every operation the host dispatches eagerly is a kernel launch it pays for in host time,
+however little the kernel does; inside a compiled region the operations become a few fused
+kernels (one CUDA graph replay, where captured). So the eager operations per iteration are what
+a GPU's host time follows, and this CPU can count them::
+
+    python -m sjd_core.tools.eager_ops                    # ar, sjd, pac+vp, auto; compiled
+    python -m sjd_core.tools.eager_ops --modes ar --top 20
+
+Each mode runs on the engine tests' small synthetic model with ``compile`` and (but plain
+autoregression, which has none) ``compile_stages`` on: a few generations compile, then one runs
+under torch's profiler, which records every aten operation the host dispatches and every
+compiled region (torch names them "Torch-Compiled Region"). An operation counts when no compiled
+region and no other aten operation encloses it (an operation called by another is the caller's
+work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from .cli import set_threads
+
+MODES = ("ar", "sjd", "pac+vp", "auto")
+COMPILED_REGION = "Torch-Compiled Region"  # the profiler's name for a compiled region's run
+
+
+@dataclass
+class EagerOps:
+    """Operations dispatched outside compiled code in one generation: per iteration, and by
+    operation over the whole generation."""
+
+    mode: str
+    iterations: int
+    by_operation: Counter
+
+    @property
+    def per_iteration(self) -> float:
+        return sum(self.by_operation.values()) / self.iterations
+
+
+def outside_compiled(events) -> Counter:
+    """The aten operations among the profiler's ``events`` that no compiled region and no other
+    aten operation encloses, counted by name."""
+    def counted(event) -> bool:
+        if not event.name.startswith("aten::"):
+            return False
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::") or parent.name.startswith(COMPILED_REGION):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return Counter(event.name for event in events if counted(event))
+
+
+def count_mode(mode: str, warm_runs: int = 2) -> EagerOps:
+    """Compile ``mode`` on the small synthetic model (``warm_runs`` generations), then count the
+    eager operations of one more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..decoding.engine import generate
+    from ..decoding.settings import AccelerationSettings, SamplingSettings
+    from ..models.protocol import GenerationRequest
+    from ..models.synthetic import SyntheticModel
+
+    model = SyntheticModel(codebook_size=32, grid=(6, 6), width=32, layers=1, heads=2,
+                           sharpness=2.0, seed=5)
+    settings = AccelerationSettings.preset(mode, compile=True, compile_stages=mode != "ar")
+    if mode == "auto":  # its choice by forward passes: the same shapes on every machine
+        settings = replace(settings, shape_cost="passes")
+    request, sampling = GenerationRequest(prompt="a red fox"), SamplingSettings(guidance=2.0)
+    for seed in range(warm_runs):
+        generate(model, request, sampling, settings, seed=seed)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        result = generate(model, request, sampling, settings, seed=warm_runs)
+    return EagerOps(mode, int(result.trace.summary()["nfe"]), outside_compiled(profiler.events()))
+
+
+def format_counts(counts: list[EagerOps], top: int) -> str:
+    """A line per mode, then its ``top`` operations per iteration."""
+    lines = []
+    for count in counts:
+        lines.append(f"{count.mode}: {count.per_iteration:.1f} eager operations per iteration "
+                     f"({count.iterations} iterations)")
+        for name, number in count.by_operation.most_common(top):
+            lines.append(f"  {number / count.iterations:6.2f} {name}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    parser.add_argument("--top", type=int, default=8, help="operations listed per mode")
+    args = parser.parse_args(argv)
+    modes = [mode.strip().lower() for mode in args.modes.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"--modes {args.modes!r} names {', '.join(unknown)}; allowed: "
+                     f"{', '.join(MODES)}")
+    set_threads(1)
+    print(format_counts([count_mode(mode) for mode in modes], args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
