@@ -127,6 +127,22 @@ def test_every_speculative_shape_is_priced_by_the_line_through_the_measured_time
     assert by_window[16] < 0.02 < 0.028
 
 
+def test_a_window_never_costs_less_than_its_own_fastest_time():
+    """Small windows can cost more than the line through every size says (on a CPU the line
+    fitted to windows 4 and 32 put window 2 at 3.6 ms where it never ran under 4.5 ms): a timed
+    window costs at least its fastest time, so it is not fed again on the line's word."""
+    plan = plan_for(adaptive_tree=False, proactive_drafting=False)
+    plan.profile.seconds = {4: 0.0046, 32: 0.0177, 2: 0.0049, 1: 0.0024}
+    plan.profile.fastest = {4: 0.0044, 32: 0.0170, 2: 0.0045, 1: 0.0023}
+    by_window = {shape.window: s for shape, s in zip(plan.shapes, plan._seconds())}
+    points = [(4, 0.0046), (32, 0.0177), (2, 0.0049)]
+    slope, intercept = np.polyfit([n for n, _ in points], [t for _, t in points], 1)
+    assert intercept + 2 * slope < 0.0045 == by_window[2]
+    assert by_window[3] == pytest.approx(intercept + 3 * slope, rel=1e-12)  # never timed
+    assert by_window[32] == pytest.approx(max(intercept + 32 * slope, 0.0170), rel=1e-12)
+    assert by_window[1] == 0.0024
+
+
 def test_a_new_profile_opens_with_ar_and_the_short_window_then_probes_the_longest():
     """A new profile starts from AR: it times AR for 12 iterations, then the short window (4) for
     12, counting its drafts; then the longest window runs for 30 iterations, where the learning

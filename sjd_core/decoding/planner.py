@@ -230,8 +230,8 @@ class AutoPlan:
       ``r`` the measured chance that a further candidate passes where the ones before it failed)
       and commits ``1 + sum_{d <= m} a_1 ... a_d + sum_{m < j < L} S(j)``; with ``adaptive_tree``
       every tree within K x D competes (:func:`~.drafting.tree_profiles`). A window's seconds
-      come from a least-squares line in fed nodes through the measured shapes; plain
-      autoregression (its own, leaner step) keeps its own measured time.
+      come from a least-squares line in fed nodes through the measured shapes, never below its
+      own fastest time; plain autoregression (its own, leaner step) keeps its own measured time.
     - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
       forward, and the next few after a switch, run slower), one in which the network compiled,
       and one that fed fewer rows than the batch has. A shape's seconds are the median of its
@@ -505,8 +505,10 @@ class AutoPlan:
 
     def _seconds(self, measured: dict[int, float] | None = None) -> np.ndarray:
         """Seconds per iteration of every shape: a line in fed nodes through the ``measured``
-        shapes (by default their usual times), and plain autoregression's own time; all 1 when
-        the cost is forward passes."""
+        shapes (by default their usual times), but never less than a shape's own fastest time
+        (a short window may cost more than the line says; one timed while the machine was busy
+        is not priced out), and plain autoregression's own time; all 1 when the cost is forward
+        passes."""
         if self.per_pass:
             return np.ones_like(self.sizes)
         measured = self.profile.seconds if measured is None else measured
@@ -519,6 +521,9 @@ class AutoPlan:
             seconds = time * (1 + self.sizes / nodes) / 2  # until a second size is timed
         else:
             seconds = self.sizes.copy()
+        for nodes, fastest in self.profile.fastest.items():
+            if nodes > 1:
+                seconds[self.sizes == nodes] = np.maximum(seconds[self.sizes == nodes], fastest)
         if 1 in measured:  # plain autoregression's lean step is not on the speculative line
             seconds[self.sizes == 1] = measured[1]
         return seconds
