@@ -18,10 +18,9 @@ kept at once) skips most of it between row ends.
 Static shapes: compiled (``compile_network``), inside the network every tensor's shape depends
 only on the fed shape (rows, tokens): every forward attends through the mask buffer read at the
 cache's full capacity (columns past a row's cached length are blocked there), and new entries go
-to the cache through index tensors. Eager, a forward attends over the columns in use only (to
-the end of its longest row), and one code per row after rows of equal length (plain
-autoregression) goes to the cache as one slice and attends without a mask where no context is
-padded: it sees every column (see ``_attention``).
+to the cache through index tensors. So does every eager forward but plain autoregression of a
+single image, whose code goes to the cache as one slice and attends over the columns in use,
+without a mask where no context is padded (see ``_attention``).
 """
 
 from __future__ import annotations
@@ -357,19 +356,22 @@ class SlotSession(DecodingSession):
     def _attention(self, tokens: int, lengths: np.ndarray) -> torch.Tensor | None:
         """The mask of a forward feeding ``tokens`` tokens per row after rows of ``lengths`` (R,)
         cached columns, and how it reads and writes the cache (``_attended``,
-        ``_first_column``). Compiled: the mask at the cache's full capacity and writes through
-        index tensors, shapes that do not depend on how much is cached. Eager: the columns in
-        use only; one token per row after rows of equal length is written as a slice, and sees
-        every column (no mask) unless a context is padded."""
-        if self._compiled:
-            self._attended, self._first_column = self.store.capacity, None
-            return self.mask.view(tokens)
-        in_step = tokens == 1 and lengths.min() == lengths.max()
-        self._attended = int(lengths.max()) + tokens
-        self._first_column = int(lengths[0]) if in_step else None
-        if in_step and not self._padding.any():
-            return None
-        return self.mask.view(tokens)[..., :self._attended]
+        ``_first_column``).
+
+        Plain autoregression of a single image, uncompiled (its rows, the image's conditional and
+        unconditional ones, are always in step): only the columns in use, the code written as
+        one slice, and no mask unless a context is padded (the code sees every column). Every
+        other forward: the mask at the cache's full capacity and writes through index tensors,
+        so that its shapes do not depend on how much is cached (what compiling needs) and its
+        cost does not change along the image (``auto`` compares times of its shapes measured at
+        different points of the image; plain autoregression, whose cost grows, it times again
+        and again)."""
+        if not self._compiled and tokens == 1 and self.batch_size == 1 \
+                and lengths.min() == lengths.max():
+            self._attended, self._first_column = int(lengths[0]) + 1, int(lengths[0])
+            return None if not self._padding.any() else self.mask.view(1)[..., :self._attended]
+        self._attended, self._first_column = self.store.capacity, None
+        return self.mask.view(tokens)
 
     def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
