@@ -319,6 +319,24 @@ def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fe
     assert plan.profile.seconds[1] == 0.003
 
 
+def test_a_skipped_turn_does_not_hold_back_ar_s_turn():
+    """The longest window is hopeless while window 2 is fed on an AR time a busy spell pushed
+    up: its turn is skipped and passes to the next (AR) ``_REESTIMATE`` iterations later, so AR
+    is timed again at once (not after the interval a hopeless shape's run would set, thousands
+    of iterations)."""
+    plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.85], 0.0)
+    plan.profile.seconds = plan.profile.fastest = {1: 0.012, 2: 0.004, 4: 0.005, 16: 0.03}
+    window_2 = next(i for i, shape in enumerate(plan.shapes) if shape.window == 2)
+    plan.current, plan.image_codes = window_2, 2304
+    assert plan._rates().argmax() == window_2
+    assert plan._optimistic_rates()[plan.shapes.index(plan.probes[0])] < plan._rates().max()
+    plan.profile.probes_made, plan.profile.until_probe = 0, 1  # next: the longest window
+    plan.profile.windows_run = 1
+    fed = [describe_shape(plan.choose()) for _ in range(2 * planner._REESTIMATE + 1)]
+    first_ar = fed.index("AR")
+    assert first_ar <= planner._REESTIMATE + 1 and set(fed[:first_ar]) == {"window 2"}
+
+
 def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     """A hopeful run whose expected charge would take learning past 5% of the generation's time
     is not made: its turn passes to the next probe, ``_REESTIMATE`` iterations later. Once the

@@ -246,7 +246,8 @@ class AutoPlan:
       right after the opening, 30 iterations, judged at the luckiest rate the counts allow: the
       short window's counts, made in the top rows, underrate long windows, and that run's counts
       replace them. A later one is skipped where it could not beat the best shape even with the
-      luckiest acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`). A run
+      luckiest acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
+      the next turn then comes 8 iterations later. A run
       is cut short, or not made (the turn passes, and the next comes 8 iterations later; the first
       window run waits instead), where its expected charge would take learning past 5% of the
       generation's time (so far, plus the rest of the image at the best rate), and a run stops
@@ -407,7 +408,9 @@ class AutoPlan:
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next probe turn's run: in turn the longest window, its tree and AR (which, while
-        another shape is fed, is not timed otherwise). None where the shape is fed anyway or, a
+        another shape is fed, is not timed otherwise). None, and the next turn
+        ``_REESTIMATE`` iterations later (a skipped turn must not hold AR's back for the
+        interval a hopeless tree's run would set), where the shape is fed anyway or, a
         window, could not beat the best one even if it were as lucky as what was counted allows
         (the first window run is priced at that luck instead: the opening's counts, made on the
         short window in the top rows, underrate long windows, and its counts replace them).
@@ -419,8 +422,8 @@ class AutoPlan:
         index = self.shapes.index(probe)
         first = probe.window > 1 and profile.windows_run == 0
         if index == self.current or probe.window > 1 and not first and \
-                self._optimistic_rates()[index] < rates.max():
-            profile.probes_made, profile.until_probe = profile.probes_made + 1, None
+                self._optimistic_rates()[index] < rates.max():  # the next turn comes soon
+            profile.probes_made, profile.until_probe = profile.probes_made + 1, _REESTIMATE
             return []
         shortest = _AR_PROBE_RUN if probe.window == 1 else _PROBE_RUN
         rate = self._optimistic_rates()[index] if first else rates[index]
