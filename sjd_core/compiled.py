@@ -91,7 +91,6 @@ class _PerShape:
         self._ready, self._cap = ready, cap
         self.shapes: set[tuple] = set()
         self.eager_shapes: set[tuple] = set()
-        self.compilations = 0
         self.failure: str | None = None
         self.on_first_call: Callable[[], None] | None = None  # told before a call that may compile
         self.first_call_seconds = 0.0  # seconds of the calls that may have compiled
@@ -102,9 +101,15 @@ class _PerShape:
         return {"compiled_shapes": len(self.shapes), "eager_shapes": len(self.eager_shapes),
                 "compile_seconds": round(self.first_call_seconds, 3), "failure": self.failure}
 
+    @property
+    def compilations(self) -> int:
+        """Calls that may have compiled: the first of each shape."""
+        return len(self.shapes)
+
     def _first_call(self, shape: tuple, call: Callable[[], object]) -> object:
-        """``call()``; where it is the first of ``shape`` (it may compile or record, seconds on
-        a CPU), ``on_first_call`` is told first and its time counted in ``first_call_seconds``."""
+        """``call()``, booking ``shape`` as run compiled once it returned; where it is the first
+        of ``shape`` (it may compile or record, seconds on a CPU), ``on_first_call`` is told
+        first and its time counted in ``first_call_seconds``."""
         if shape in self.shapes:
             return call()
         if self.on_first_call is not None:
@@ -112,6 +117,7 @@ class _PerShape:
         started = time.perf_counter()
         result = call()
         self.first_call_seconds += time.perf_counter() - started
+        self.shapes.add(shape)
         return result
 
     def _runs_eagerly(self, shape: tuple) -> bool:
@@ -121,11 +127,6 @@ class _PerShape:
                 and len(self.shapes) >= self._cap):
             self.eager_shapes.add(shape)
         return self.failure is not None or shape in self.eager_shapes or not self._ready()
-
-    def _ran(self, shape: tuple) -> None:
-        """Book a compiled call of ``shape``."""
-        self.compilations += shape not in self.shapes
-        self.shapes.add(shape)
 
 
 class CompiledNetwork(_PerShape):
@@ -153,12 +154,10 @@ class CompiledNetwork(_PerShape):
         if self._runs_eagerly(shape):
             return self._eager(*tensors)
         try:
-            hidden = self._first_call(shape, lambda: self._compiled(*tensors))
+            return self._first_call(shape, lambda: self._compiled(*tensors))
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
             return self._eager(*tensors)
-        self._ran(shape)
-        return hidden
 
 
 class CompiledStages(_PerShape):
@@ -190,12 +189,10 @@ class CompiledStages(_PerShape):
             if compiled is None:
                 compiled = self._compiled[key[:2]] = torch.compile(
                     _own_code(function, shape), fullgraph=True, mode=self.mode)
-            result = self._first_call(key, lambda: compiled(*args))
+            return self._first_call(key, lambda: compiled(*args))
         except Exception as error:  # eager from here on (see the module)
             self.failure = _failure(error, self.SETTING, "the decoding stages")
             return function(*args)
-        self._ran(key)
-        return result
 
     def report(self) -> dict:
         """The shapes' report, and the calls that may have compiled."""
@@ -284,6 +281,7 @@ class CapturedNetwork(_PerShape):
         self._eager, self._buffers = network, buffers
         self._graphs: dict[tuple, _Graph] = {}
         self._addresses: tuple[int, ...] = ()
+        self._recordings = 0
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         shape = _shape_of(tensors)
@@ -305,8 +303,7 @@ class CapturedNetwork(_PerShape):
             self._graphs.clear()
             self.failure = _failure(error, step="recording a CUDA graph")
             return hidden
-        self.shapes.add(shape)
-        self.compilations += 1
+        self._recordings += 1
         return hidden
 
     def _on_side_stream(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -322,9 +319,15 @@ class CapturedNetwork(_PerShape):
         return result
 
     @property
+    def compilations(self) -> int:
+        """Graphs recorded, re-recordings included (each call that recorded one may take about
+        an eager call's time more)."""
+        return self._recordings
+
+    @property
     def recordings(self) -> int:
-        """Graphs recorded, re-recordings included (each call that compiled recorded one)."""
-        return self.compilations
+        """Graphs recorded, re-recordings included."""
+        return self._recordings
 
     def report(self) -> dict:
         """The shapes' report, and the graphs recorded."""

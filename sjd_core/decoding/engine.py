@@ -352,9 +352,10 @@ def generate(model: ImageTokenModel, request: GenerationRequest, sampling: Sampl
                        stages)
     marks.append(decoder.recorder.clock)
     if on_iteration is not None:  # compiling takes seconds: the progress says so before
+        def announce() -> None:
+            on_iteration(decoder.report([0] * len(decoder.rows), "compiling", compiling=True))
         for runner in compiled.values():
-            runner.on_first_call = lambda: on_iteration(
-                decoder.report([0] * len(decoder.rows), "compiling", compiling=True))
+            runner.on_first_call = announce
     while decoder.rows:
         tree = plan.choose()
         warm = decoder.state is not None

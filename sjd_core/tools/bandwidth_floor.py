@@ -30,15 +30,15 @@ def copy_bandwidth(device: torch.device, size_bytes: int, repeats: int = COPY_RE
     target = torch.empty_like(source)
     fastest = float("inf")
     for _ in range(repeats + 1):
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         target.copy_(source)
-        _synchronize(device)
+        synchronize(device)
         fastest = min(fastest, time.perf_counter() - started)
     return 2 * size_bytes / fastest
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -76,7 +76,7 @@ from ..models.session.slot_session import SlotSession
 from . import draw_check
 from .bandwidth_floor import (COPY_REPEATS, PUBLISHED_CODES_PER_ITERATION, StepFloor,
                               cache_bytes, copy_bandwidth, mean_fill_positions,
-                              projected_image_seconds)
+                              projected_image_seconds, synchronize)
 from .bench import generate_seconds
 from .host_reads import HostReads
 
@@ -158,11 +158,6 @@ def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> Chamele
     return ChameleonImageModel(LUMINA, model.eval(), _WordTokenizer(), vqgan, resolutions, layout)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Busy:
     """The device's busy time over a stretch of work: the profiler's total of kernel time on CUDA
     (None elsewhere, where the host does the work itself)."""
@@ -216,18 +211,18 @@ def time_forward(model: ChameleonImageModel, session, committed: int, tree: Draf
     keep_none = torch.zeros(1, tree.size, dtype=torch.bool, device=device)
     host = []
     for _ in range(repeats + 1):  # the first call warms up
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         session.forward(codes, slots, tree.ancestors, [committed])
         host.append(time.perf_counter() - started)
         session.keep(keep_none)
-    _sync(device)
+    synchronize(device)
     busy = _Busy(device)
     busy.start()
     for _ in range(repeats):
         session.forward(codes, slots, tree.ancestors, [committed])
         session.keep(keep_none)
-    _sync(device)
+    synchronize(device)
     busy_seconds = busy.stop()
     return {"host_ms": 1e3 * statistics.median(host[1:]),
             "busy_ms": None if busy_seconds is None else 1e3 * busy_seconds / repeats}
@@ -320,7 +315,7 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
 
     def step(report) -> None:
         if report.iteration == marks[0]:
-            _sync(device)
+            synchronize(device)
             seen.update(committed=report.committed[0], began=time.perf_counter(),
                         warmup_seconds=time.perf_counter() - seen["started"])
             waits.__enter__()
@@ -332,10 +327,10 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
         elif report.iteration == marks[2]:
             reads.__exit__(None, None, None)
             seen["counting"] = False
-            _sync(device)
+            synchronize(device)
             busy.start()
         elif report.iteration == marks[3]:
-            _sync(device)
+            synchronize(device)
             seen["busy_seconds"] = busy.stop()
             done = min(report.committed)
             seen["codes"] = report.codes[:, :done].cpu()
