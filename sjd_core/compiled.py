@@ -134,15 +134,18 @@ class CompiledNetwork(_PerShape):
     module), or eager: until ``ready()`` (a forward that allocates the cache would compile a path
     the later ones do not take), and after a failure.
 
-    shapes: the arguments' shapes and strides of the calls that ran compiled (inductor compiles
-    again for other strides); ``compilations``: the first call of each (only those can compile,
-    and each that does takes far longer than the network runs); ``failure``: why compiling
-    stopped, a sentence for the run's warnings (None while it works).
+    shapes: the graphs the calls that ran compiled went through, as torch picks them
+    (:meth:`_graph_of`: sizes that changed are symbolic; inductor compiles again for other
+    strides); ``compilations``: the first call of each (only those can compile, and each that
+    does takes far longer than the network runs); ``failure``: why compiling stopped, a sentence
+    for the run's warnings (None while it works).
     """
 
     def __init__(self, network: Network, ready: Callable[[], bool] = lambda: True) -> None:
         super().__init__(ready)
         self._eager = network
+        self._first_layout: tuple | None = None
+        self._varied: set[tuple[int, int]] = set()  # (argument, dimension) that changed size
         try:
             self._compiled = torch.compile(network, fullgraph=False)
         except Exception as error:  # torch.compile refuses this Python or platform
@@ -150,7 +153,7 @@ class CompiledNetwork(_PerShape):
             self.failure = _failure(error)
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        shape = _layout_of(tensors)
+        shape = self._graph_of(tensors)
         if self._runs_eagerly(shape):
             return self._eager(*tensors)
         try:
@@ -158,6 +161,43 @@ class CompiledNetwork(_PerShape):
         except Exception as error:  # any failure of compiling falls back to eager
             self.failure = _failure(error)
             return self._eager(*tensors)
+
+
+    def _graph_of(self, tensors: tuple[torch.Tensor, ...]) -> tuple:
+        """The graph inductor runs ``tensors`` through, as its automatic dynamic shapes pick it:
+        a graph already booked whose sizes they fit, else a new one of their layout
+        (:func:`_layout_of`) in which every size that has differed from the first call's is
+        symbolic (None) unless it is 0 or 1 (torch specialises those); a tensor with a symbolic
+        size keeps only whether it is contiguous of its strides."""
+        layout = _layout_of(tensors)
+        first = self._first_layout = self._first_layout or layout
+        if [len(shape) for shape, _ in layout] == [len(shape) for shape, _ in first]:
+            self._varied |= {(argument, dimension)
+                             for argument, ((shape, _), (first_shape, _)) in enumerate(zip(layout, first))
+                             for dimension, (size, first_size) in enumerate(zip(shape, first_shape))
+                             if size != first_size}
+        graph = []
+        for argument, ((shape, strides), tensor) in enumerate(zip(layout, tensors)):
+            symbolic = [(argument, dimension) in self._varied and size > 1
+                        for dimension, size in enumerate(shape)]
+            graph.append((tuple(None if s else size for s, size in zip(symbolic, shape)),
+                          tensor.is_contiguous() if any(symbolic) else strides))
+        return next((booked for booked in self.shapes if _serves(booked, layout, tensors)),
+                    tuple(graph))
+
+
+def _serves(graph: tuple, layout: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``graph`` (see :meth:`CompiledNetwork._graph_of`) takes arguments of ``layout``:
+    the same sizes where it has them, any size above 1 where it is symbolic."""
+    if len(graph) != len(layout):
+        return False
+    for (sizes, strides), (shape, tensor_strides), tensor in zip(graph, layout, tensors):
+        if len(sizes) != len(shape) or not all(size > 1 if wanted is None else size == wanted
+                                               for wanted, size in zip(sizes, shape)):
+            return False
+        if strides != (tensor.is_contiguous() if None in sizes else tensor_strides):
+            return False
+    return True
 
 
 class CompiledStages(_PerShape):

@@ -105,7 +105,8 @@ class SlotSession(DecodingSession):
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
         self._network = self._network_step  # the network call of forward and advance
-        self._compiled = False  # whether it runs compiled: shapes must not depend on the cache
+        self._compiled = False  # whether the network runs compiled (see _attention)
+        self._static_shapes = False  # whether its graphs hold fixed shapes (see _attention)
         self._attended, self._first_column = self.store.capacity, None  # see _attention
         self._keep_rows()
 
@@ -138,6 +139,7 @@ class SlotSession(DecodingSession):
         self._network = compile_network(self._network_step, self.device,
                                         lambda: self.store.settled, self.store.buffers)
         self._compiled = True
+        self._static_shapes = isinstance(self._network, CapturedNetwork)
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
@@ -147,7 +149,8 @@ class SlotSession(DecodingSession):
         changes between forwards is an argument (the cache's buffers stay where they are).
         The layers that allocated their cache in this call are joined at its end, so that the
         next call is already compiled (``store.settled``)."""
-        self.store.plan(columns, self._attended, self._first_column)
+        self.store.plan(columns, self._attended if mask is None else mask.shape[-1],
+                        self._first_column)
         hidden = self._run(inputs, positions, mask)
         self.store.join()
         return hidden
@@ -358,18 +361,24 @@ class SlotSession(DecodingSession):
         cached columns, and how it reads and writes the cache (``_attended``,
         ``_first_column``).
 
-        Plain autoregression of a single image, uncompiled (its rows, the image's conditional and
-        unconditional ones, are always in step): only the columns in use, the code written as
-        one slice, and no mask unless a context is padded (the code sees every column). Every
-        other forward: the mask at the cache's full capacity and writes through index tensors,
-        so that its shapes do not depend on how much is cached (what compiling needs) and its
-        cost does not change along the image (``auto`` compares times of its shapes measured at
-        different points of the image; plain autoregression, whose cost grows, it times again
-        and again)."""
-        if not self._compiled and tokens == 1 and self.batch_size == 1 \
-                and lengths.min() == lengths.max():
-            self._attended, self._first_column = int(lengths[0]) + 1, int(lengths[0])
-            return None if not self._padding.any() else self.mask.view(1)[..., :self._attended]
+        Plain autoregression of a single image (its rows, the image's conditional and
+        unconditional ones, are always in step): only the columns in use. Eager, the code is
+        written as one slice, with no mask unless a context is padded (the code sees every
+        column); compiled by inductor, the mask's length says how many columns (one graph with
+        that length symbolic serves the image). Every other forward, and every forward of a
+        network captured as CUDA graphs (fixed shapes): the mask at the cache's full capacity
+        and writes through index tensors, so that its shapes do not depend on how much is
+        cached and its cost does not change along the image (``auto`` compares times of its
+        shapes measured at different points of the image; plain autoregression, whose cost
+        grows, it times again and again)."""
+        if tokens == 1 and self.batch_size == 1 and lengths.min() == lengths.max() \
+                and not self._static_shapes:
+            attended = int(lengths[0]) + 1
+            if self._compiled or self._padding.any():
+                self._attended, self._first_column = self.store.capacity, None
+                return self.mask.view(1)[..., :attended]
+            self._attended, self._first_column = attended, int(lengths[0])
+            return None
         self._attended, self._first_column = self.store.capacity, None
         return self.mask.view(tokens)
 
