@@ -4,6 +4,7 @@ candidates when drafts fail at some depths more than at others."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -181,10 +182,10 @@ def test_a_run_of_the_longest_window_is_skipped_where_even_luck_would_not_make_i
     plan.profile.stopped[1:8] = 300.0
     slope = 0.001 if steep else 0.00002
     plan.profile.seconds = {1: 0.010, 4: 0.010 + 4 * slope, 16: 0.010 + 16 * slope}
-    plan.profile.probes_made, plan.profile.until_probe = 3, 1  # the next run: the chain's
+    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # the next run: the chain's
     plan.profile.windows_run = 2
     chosen = describe_shape(plan.choose())
-    assert plan.profile.probes_made == 4
+    assert plan.profile.probes_made == 3
     if steep:
         assert chosen != "window 32" and not plan.queue
         assert plan._optimistic_rates()[plan.shapes.index(plan.probes[0])] < plan._rates().max()
@@ -241,6 +242,7 @@ def test_a_plan_on_plain_autoregression_skips_runs_that_could_not_pay():
     plan.profile.seconds = {1: 0.010, 4: 0.014, 16: 0.026}
     plan.profile.fastest = dict(plan.profile.seconds)
     plan.profile.probes_made, plan.profile.until_probe = 1, 1
+    plan.profile.windows_run = 1  # the first window run, judged by the budget alone, was made
     plan.current = 0  # as a generation that ended on AR leaves the next one
     rates = plan._rates()
     assert rates.argmax() == 0 and plan._optimistic_rates()[-1] < rates.max()
@@ -297,9 +299,9 @@ def test_a_window_timed_once_while_the_machine_was_busy_is_still_probed():
 
 def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fed():
     """AR's usual time was pushed up by a busy spell, so a window looks faster and is fed, and
-    AR, no longer fed, would never be timed again. AR takes its turn among the probes: where
-    the budget covers it, it runs for 30 iterations (timed from the
-    fourth), and its usual time moves back."""
+    AR, no longer fed, would never be timed again. AR has turns of its own: where the budget
+    covers it, it runs for 30 iterations (timed from the fourth), and its usual time moves
+    back."""
     times = [0.003] * 30
     plan = learnt(plan_for(lambda i: times[i] if i < len(times) else None, adaptive_tree=False,
                            proactive_drafting=False), [0.85], 0.0)
@@ -310,7 +312,7 @@ def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fe
     window_2 = next(i for i, shape in enumerate(plan.shapes) if shape.window == 2)
     plan.current, plan.image_codes = window_2, 2304
     assert plan._rates().argmax() == window_2
-    plan.profile.probes_made, plan.profile.until_probe = 1, 1  # next in turn: AR
+    plan.profile.until_ar_turn = 1
     fed = [plan.choose() for _ in range(30)]
     assert [describe_shape(tree) for tree in fed] == ["AR"] * 30
     assert plan.profile.seconds[1] == 0.012
@@ -319,22 +321,28 @@ def test_ar_timed_while_the_machine_was_busy_is_timed_again_while_a_window_is_fe
     assert plan.profile.seconds[1] == 0.003
 
 
-def test_a_skipped_turn_does_not_hold_back_ar_s_turn():
-    """The longest window is hopeless while window 2 is fed on an AR time a busy spell pushed
-    up: its turn is skipped and passes to the next (AR) ``_REESTIMATE`` iterations later, so AR
-    is timed again at once (not after the interval a hopeless shape's run would set, thousands
-    of iterations)."""
+def test_ar_s_turns_do_not_wait_behind_the_windows_probes():
+    """Window 2 is fed on an AR time a busy spell pushed up, and the longest window's last run
+    was so slow that its next turn is thousands of iterations away: AR is timed again after 64
+    iterations of window 2 all the same (the 64th is AR's), then after 64 x sqrt(2) more, and
+    not while AR itself
+    is fed. (Before AR had turns of its own, it waited in the windows' rotation: on a busy
+    machine AUTO then fed a window that did not pay for hundreds of iterations.)"""
     plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.85], 0.0)
     plan.profile.seconds = plan.profile.fastest = {1: 0.012, 2: 0.004, 4: 0.005, 16: 0.03}
     window_2 = next(i for i, shape in enumerate(plan.shapes) if shape.window == 2)
     plan.current, plan.image_codes = window_2, 2304
     assert plan._rates().argmax() == window_2
-    assert plan._optimistic_rates()[plan.shapes.index(plan.probes[0])] < plan._rates().max()
-    plan.profile.probes_made, plan.profile.until_probe = 0, 1  # next: the longest window
-    plan.profile.windows_run = 1
-    fed = [describe_shape(plan.choose()) for _ in range(2 * planner._REESTIMATE + 1)]
-    first_ar = fed.index("AR")
-    assert first_ar <= planner._REESTIMATE + 1 and set(fed[:first_ar]) == {"window 2"}
+    plan.profile.probes_made, plan.profile.until_probe = 1, 5000
+    first, second = 64, int(64 * math.sqrt(2))  # the turns' intervals
+    fed = [describe_shape(plan.choose()) for _ in range(first + 30 + second + 30)]
+    assert fed == (["window 2"] * (first - 1) + ["AR"] * 30 + ["window 2"] * (second - 1)
+                   + ["AR"] * 30 + ["window 2"] * 2)
+    assert plan.profile.ar_turns == 2
+    plan.profile.seconds[1] = plan.profile.fastest[1] = 0.002  # now AR pays, and is fed
+    plan.rates, plan.current, plan.profile.until_ar_turn = None, 0, 1
+    assert [describe_shape(plan.choose()) for _ in range(200)] == ["AR"] * 200
+    assert plan.profile.ar_turns == 2  # AR, fed, is timed as it runs: no turn counts down
 
 
 def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
@@ -345,7 +353,7 @@ def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     plan.profile.at_risk[2:] = 0.0  # depths past 1 never reached: window 32 may be lucky
     plan.profile.stopped[2:] = 0.0
     plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.014, 16: 0.026}
-    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # next: the chain (then AR)
+    plan.profile.probes_made, plan.profile.until_probe = 2, 1  # next: the chain
     plan.profile.windows_run = 1
     plan.current, plan.image_codes = 0, 2304
     window = plan.shapes.index(plan.probes[0])

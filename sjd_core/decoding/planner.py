@@ -133,8 +133,10 @@ class _Profile:
     opened: bool = False  # the opening runs were queued (see AutoPlan)
     until_probe: int | None = None  # iterations left before the next run of the longest window;
     # None: a run just ended, and the next choice sets it from what the run measured
-    probes_made: int = 0  # probe turns so far (in turn: the longest window, its tree, AR)
+    probes_made: int = 0  # probe turns so far (in turn: the longest window, its tree)
     windows_run: int = 0  # probe runs of the longest window or its tree made so far
+    until_ar_turn: int | None = None  # iterations fed with a window before AR is timed again
+    ar_turns: int = 0  # timing runs of AR made while a window was fed
     current: int = -1  # index of the shape the last generation ended with
 
     def __post_init__(self) -> None:
@@ -239,10 +241,12 @@ class AutoPlan:
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is charged
       its seconds beyond what the best shape would have taken for the codes it committed. A new
       profile opens with AR and the short window (4), 12 iterations each. Then probe turns come, in
-      turn the longest window, its full tree and AR (not timed otherwise while a window is fed), on
-      an interval set from what the last one measured (longer the slower it was than the best
-      shape, and growing with the square root of the turns so far). AR's run is 30 iterations (on a
-      CPU its first steps after other work run slower), a window's 10. The first window run comes
+      turn the longest window and its full tree, on an interval set from what the last one
+      measured (longer the slower it was than the best shape, and growing with the square root of
+      the turns so far), a run of 10 iterations each. While a window is fed, AR (timed nowhere
+      else then) has turns of its own, every 64 such iterations times the square root of its
+      turns so far, whatever the windows' runs cost: a run of 30 iterations (on a CPU its first
+      steps after other work run slower). The first window run comes
       right after the opening, 30 iterations, judged at the luckiest rate the counts allow: the
       short window's counts, made in the top rows, underrate long windows, and that run's counts
       replace them. A later one is skipped where it could not beat the best shape even with the
@@ -325,7 +329,7 @@ class AutoPlan:
         self.compiles = settings.compiles_on(device.type) or settings.compile_stages
         if self.compiles:
             self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
-        self.rotation = self.probes + [self.shapes[0]]  # what probe runs feed, in turn
+        self.rotation = self.probes  # what probe runs feed, in turn
         self._arrays()
 
     def _arrays(self) -> None:
@@ -378,6 +382,8 @@ class AutoPlan:
         if self.rates is None or self.iteration >= self.rates_until:
             self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
             self.counted_from = self._longest_hopeful_window(self.rates)
+        if self.current != 0 and self._ar_turn_due():
+            return self._ar_run(self.rates)
         return self._probe_run(self.rates) if self._probe_due(self.rates) else []
 
     def _opening(self) -> list[DraftTree]:
@@ -407,11 +413,9 @@ class AutoPlan:
                 and all(shape is not other for other in to_be_fed)]
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
-        """The next probe turn's run: in turn the longest window, its tree and AR (which, while
-        another shape is fed, is not timed otherwise). None, and the next turn
-        ``_REESTIMATE`` iterations later (a skipped turn must not hold AR's back for the
-        interval a hopeless tree's run would set), where the shape is fed anyway or, a
-        window, could not beat the best one even if it were as lucky as what was counted allows
+        """The next probe turn's run: in turn the longest window and its tree. None, and the
+        next turn ``_REESTIMATE`` iterations later (skipping costs nothing), where the shape is
+        fed anyway or could not beat the best one even if it were as lucky as what was counted allows
         (the first window run is priced at that luck instead: the opening's counts, made on the
         short window in the top rows, underrate long windows, and its counts replace them).
         None yet where the learning budget does not cover the run (:meth:`_affordable`): the
@@ -420,23 +424,45 @@ class AutoPlan:
         profile = self.profile
         probe = self.rotation[profile.probes_made % len(self.rotation)]
         index = self.shapes.index(probe)
-        first = probe.window > 1 and profile.windows_run == 0
-        if index == self.current or probe.window > 1 and not first and \
+        first = profile.windows_run == 0
+        if index == self.current or not first and \
                 self._optimistic_rates()[index] < rates.max():  # the next turn comes soon
             profile.probes_made, profile.until_probe = profile.probes_made + 1, _REESTIMATE
             return []
-        shortest = _AR_PROBE_RUN if probe.window == 1 else _PROBE_RUN
         rate = self._optimistic_rates()[index] if first else rates[index]
-        length = min(_FIRST_PROBE_RUN if first else shortest, self._affordable(rate, index, rates))
-        if length < shortest:  # too few to learn from: later, when the budget has grown
+        length = min(_FIRST_PROBE_RUN if first else _PROBE_RUN,
+                     self._affordable(rate, index, rates))
+        if length < _PROBE_RUN:  # too few to learn from: later, when the budget has grown
             profile.probes_made += not first
             profile.until_probe = _REESTIMATE
             return []
         if first:
             profile.at_risk[:], profile.stopped[:] = 0.0, 0.0
         profile.probes_made, profile.until_probe = profile.probes_made + 1, None
-        profile.windows_run += probe.window > 1
+        profile.windows_run += 1
         return [probe] * length
+
+    def _ar_turn_due(self) -> bool:
+        """Count one iteration fed with a window towards AR's next timing run; whether it is
+        due. AR's turns come every ``_PROBE`` such iterations times the square root of the turns
+        so far, whatever the windows' probes cost: AR, not fed, is timed nowhere else, and a
+        busy spell that pushed its time up must not keep a window fed that does not pay."""
+        profile = self.profile
+        if profile.until_ar_turn is None:
+            profile.until_ar_turn = int(_PROBE * math.sqrt(profile.ar_turns + 1))
+        profile.until_ar_turn -= 1
+        return profile.until_ar_turn <= 0
+
+    def _ar_run(self, rates: np.ndarray) -> list[DraftTree]:
+        """AR's timing run: ``_AR_PROBE_RUN`` iterations, or none where the learning budget
+        does not cover them (the turn then comes ``_REESTIMATE`` iterations later)."""
+        profile = self.profile
+        length = min(_AR_PROBE_RUN, self._affordable(rates[0], 0, rates))
+        if length < _AR_PROBE_RUN:
+            profile.until_ar_turn = _REESTIMATE
+            return []
+        profile.ar_turns, profile.until_ar_turn = profile.ar_turns + 1, None
+        return [self.shapes[0]] * length
 
     def _affordable(self, rate: float, index: int, rates: np.ndarray) -> int:
         """How many iterations of shape ``index``, expected to commit ``rate`` codes per second,
