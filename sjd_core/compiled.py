@@ -162,7 +162,6 @@ class CompiledNetwork(_PerShape):
             self.failure = _failure(error)
             return self._eager(*tensors)
 
-
     def _graph_of(self, tensors: tuple[torch.Tensor, ...]) -> tuple:
         """The graph inductor runs ``tensors`` through, as its automatic dynamic shapes pick it:
         a graph already booked whose sizes they fit, else a new one of their layout
@@ -170,6 +169,9 @@ class CompiledNetwork(_PerShape):
         symbolic (None) unless it is 0 or 1 (torch specialises those); a tensor with a symbolic
         size keeps only whether it is contiguous of its strides."""
         layout = _layout_of(tensors)
+        booked = next((graph for graph in self.shapes if _serves(graph, layout, tensors)), None)
+        if booked is not None:  # no size in it differs from the first call's but symbolic ones
+            return booked
         first = self._first_layout = self._first_layout or layout
         if [len(shape) for shape, _ in layout] == [len(shape) for shape, _ in first]:
             self._varied |= {(argument, dimension)
@@ -182,8 +184,7 @@ class CompiledNetwork(_PerShape):
                         for dimension, size in enumerate(shape)]
             graph.append((tuple(None if s else size for s, size in zip(symbolic, shape)),
                           tensor.is_contiguous() if any(symbolic) else strides))
-        return next((booked for booked in self.shapes if _serves(booked, layout, tensors)),
-                    tuple(graph))
+        return tuple(graph)
 
 
 def _serves(graph: tuple, layout: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -311,7 +312,7 @@ class CapturedNetwork(_PerShape):
 
     shapes: the fed shapes that ran as graphs; ``eager_shapes``: those that ran eagerly because
     ``MAX_CAPTURED_SHAPES`` were recorded already; ``recordings``: graphs recorded (re-recordings
-    included); ``failure``: why recording stopped, a sentence for the run's warnings.
+    included; ``compilations``); ``failure``: why recording stopped, a sentence for the run's warnings.
     """
 
     def __init__(self, network: Network, device: torch.device, ready: Callable[[], bool],
@@ -364,11 +365,6 @@ class CapturedNetwork(_PerShape):
         an eager call's time more)."""
         return self._recordings
 
-    @property
-    def recordings(self) -> int:
-        """Graphs recorded, re-recordings included."""
-        return self._recordings
-
     def report(self) -> dict:
         """The shapes' report, and the graphs recorded."""
-        return {**super().report(), "recordings": self.recordings}
+        return {**super().report(), "recordings": self.compilations}

@@ -1,19 +1,12 @@
 """Exact joint distributions of a tiny synthetic model, an independent tree verifier, and a
 goodness-of-fit test.
 
-The target distribution is written here from the rule in float64, without the engine's
-``sampling.process``, so that a mistake in ``process`` (the guidance formula, the order of the
-steps, ties at the k-th value, the top-p boundary) changes the enumerated joint and is caught:
-
-1. classifier-free guidance on raw logits, ``l = l_u + s * (l_c - l_u)`` (no unconditional
-   logits: ``l = l_c``);
-2. division by the temperature;
-3. top-k: every code whose value is at least the k-th largest value is kept, so codes tied with
-   the k-th value are all kept (``top_k = 0`` or ``>= V``: all);
-4. top-p on the softmax of what top-k kept: codes in order of probability (ties: lower code
-   first) are kept while the mass of the codes before them is below ``top_p``, i.e. the smallest
-   set of most likely codes whose mass reaches ``top_p`` (``top_p = 1``: all);
-5. softmax over the kept codes.
+The target distribution is written from the rule in float64, without the engine's
+``sampling.process`` (:func:`sjd_core.tools.draw_check.target_distribution`, the reference the
+pack's GPU check draws against too), so that a mistake in ``process`` (the guidance formula, the
+order of the steps, ties at the k-th value, the top-p boundary) changes the enumerated joint and
+is caught. The goodness-of-fit test is the GPU check's chi-square
+(:func:`sjd_core.tools.draw_check.chi_square`).
 
 The joint of a whole image is the product of these targets slot by slot, each given the codes
 before it, from the model's own raw logits: the distribution plain autoregression samples and
@@ -35,37 +28,10 @@ from sjd_core.decoding.sampling import normalise, residual, sample
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.synthetic import SyntheticModel
+from sjd_core.tools.draw_check import chi_square, target_distribution
 
 PROMPT = "a red fox"
 NEGATIVE = "blur"
-
-
-def target_distribution(cond: np.ndarray, uncond: np.ndarray | None,
-                        guidance: float | np.ndarray, temperature: float, top_k: int,
-                        top_p: float) -> np.ndarray:
-    """The target of each row of raw logits (..., V), in float64, by the rule in the docstring;
-    ``guidance`` may be an array of scales that broadcasts against the logits (one per slot)."""
-    cond = np.asarray(cond, dtype=np.float64)
-    if uncond is None:
-        logits = cond
-    else:
-        uncond = np.asarray(uncond, dtype=np.float64)
-        logits = uncond + guidance * (cond - uncond)
-    logits = logits / temperature
-    vocab = logits.shape[-1]
-    kept = np.ones(logits.shape, dtype=bool)
-    if 0 < top_k < vocab:
-        kth = -np.sort(-logits, axis=-1)[..., top_k - 1:top_k]  # the k-th largest value
-        kept = logits >= kth
-    top = np.where(kept, logits, -np.inf).max(axis=-1, keepdims=True)
-    weights = np.where(kept, np.exp(logits - top), 0.0)
-    probs = weights / weights.sum(axis=-1, keepdims=True)
-    if top_p < 1.0:  # a code stays while the codes strictly more likely hold less than top_p
-        more_likely = probs[..., None, :] > probs[..., :, None]
-        mass_above = np.where(more_likely, probs[..., None, :], 0.0).sum(-1)
-        probs = np.where((mass_above < top_p) & (probs > 0), probs, 0.0)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    return probs
 
 
 def tiny_model() -> SyntheticModel:
@@ -149,23 +115,10 @@ def sample_images(model: SyntheticModel, sampling: SamplingSettings,
 
 def goodness_of_fit(samples: torch.Tensor, probability: torch.Tensor,
                     min_expected: float = 5.0) -> float:
-    """Pearson chi-square p-value of ``samples`` against ``probability``.
-
-    Cells expected fewer than ``min_expected`` times are pooled into one; a sample in a cell of
-    probability zero makes the p-value 0.
-    """
-    counts = torch.bincount(samples, minlength=len(probability)).double()
-    expected = probability.double() * len(samples)
-    if bool((counts[probability == 0] > 0).any()):
-        return 0.0
-    big = expected >= min_expected
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = wanted > 0
-    statistic = ((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         statistic / 2.0))
+    """Pearson chi-square p-value of ``samples`` against ``probability`` (cells expected fewer
+    than ``min_expected`` times pooled into one; a sample in a cell of probability zero makes it
+    0)."""
+    return chi_square(samples, probability, min_expected)["p_value"]
 
 
 def loop_verify_tree(tree: DraftTree, p: torch.Tensor, node_tokens: torch.Tensor,

@@ -87,7 +87,7 @@ def test_bandwidth_and_floor_arithmetic_on_known_numbers(monkeypatch):
     assert bandwidth_floor.copy_bandwidth(torch.device("cpu"), 1000) == 2000.0  # read + written
     seven_b = MemoryShape(layers=32, heads=32, kv_heads=32, head_dim=128, hidden=4096,
                           intermediate=11008, dtype_bytes=2)
-    assert bandwidth_floor.cache_bytes(seven_b, 1) == 2**19  # 512 KiB per cached position
+    assert seven_b.cache_bytes(1) == 2**19  # 512 KiB per cached position
     assert bandwidth_floor.mean_fill_positions(40, 3, 2304) == 40 + 3 + 2 * 1152
     floor = bandwidth_floor.StepFloor(weight_bytes=13 * 10**9, cache_bytes=10**9,
                                       bandwidth=2e12)

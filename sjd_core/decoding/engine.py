@@ -268,10 +268,10 @@ def decoding_bytes(batch: int, nodes: int, window: int, vocab: int, guided: bool
     per_row = 4 * (nodes * vocab * (6 if guided else 5) + window * vocab * (4 if history else 1))
     if shape is not None:
         sequences = 2 if guided else 1
-        cache = shape.layers * 2 * shape.kv_heads * shape.head_dim * positions
         attention = nodes * positions * (1 + 2 * shape.heads)  # mask, scores and weights
         activations = nodes * (4 * shape.hidden + 3 * shape.intermediate)
-        per_row += sequences * shape.dtype_bytes * (cache + attention + activations)
+        per_row += sequences * (shape.cache_bytes(positions)
+                                + shape.dtype_bytes * (attention + activations))
     return batch * per_row
 
 

@@ -309,7 +309,7 @@ class AutoPlan:
     def _build_shapes(self, settings: AccelerationSettings, device: torch.device,
                       lengths: list[int]) -> None:
         """Every shape ``auto`` may feed (a few, compiled) and ``probes``: the longest window
-        and its largest tree."""
+        and its largest tree, which probe runs feed in turn."""
         self.shapes = [DraftTree.build(1, (), device)]
         self.shapes += [DraftTree.build(n, (), device) for n in lengths]
         self.probes = [self.shapes[-1]]
@@ -329,7 +329,6 @@ class AutoPlan:
         self.compiles = settings.compiles_on(device.type) or settings.compile_stages
         if self.compiles:
             self.shapes = _compiled_shapes(self.shapes, self.probes, lengths)
-        self.rotation = self.probes  # what probe runs feed, in turn
         self._arrays()
 
     def _arrays(self) -> None:
@@ -398,7 +397,7 @@ class AutoPlan:
         When a run ended, the interval is set from what it measured."""
         profile = self.profile
         if profile.until_probe is None:
-            last = self.rotation[(profile.probes_made - 1) % len(self.rotation)]
+            last = self.probes[(profile.probes_made - 1) % len(self.probes)]
             cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
         profile.until_probe -= 1
@@ -422,7 +421,7 @@ class AutoPlan:
         turn passes (the first window run waits), and the next comes ``_REESTIMATE`` iterations
         later."""
         profile = self.profile
-        probe = self.rotation[profile.probes_made % len(self.rotation)]
+        probe = self.probes[profile.probes_made % len(self.probes)]
         index = self.shapes.index(probe)
         first = profile.windows_run == 0
         if index == self.current or not first and \

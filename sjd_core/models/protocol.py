@@ -109,6 +109,11 @@ class MemoryShape:
                    intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
                    dtype_bytes=dtype.itemsize)
 
+    def cache_bytes(self, positions: int) -> int:
+        """Bytes of keys and values for ``positions`` cached positions (of one sequence, or
+        summed over several)."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes * positions
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

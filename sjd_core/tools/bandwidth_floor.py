@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.protocol import MemoryShape
-
 COPY_REPEATS = 5  # timed copies; the fastest counts
 # codes committed per iteration as published for Lumina-mGPT 7B at 768 px
 PUBLISHED_CODES_PER_ITERATION = {"SJD": 2.22, "SJD-PAC": 4.51}
@@ -42,12 +40,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cache_bytes(shape: MemoryShape, positions: int) -> int:
-    """Bytes of keys and values for ``positions`` cached positions (summed over the sequences:
-    conditional and unconditional rows each count their own)."""
-    return shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes * positions
 
 
 def mean_fill_positions(cond_prompt: int, uncond_prompt: int, image_codes: int) -> int:

@@ -6,8 +6,9 @@ its CUDA-graph mode on CUDA), decode many rows at once on a bigram network: the 
 code are a fixed row of a random table over a small codebook (a conditional and an
 unconditional table, guided). The image is then a Markov chain whose target after code ``a`` is
 row ``a`` of ``P`` (guidance, temperature and top-k applied to the tables in float64, written
-here from the rule, not with the engine's ``process``), so the codes at slots ``s`` and ``s + 1``
-have probability ``(P^(s+1))[start, x] * P[x, y]``. Every row commits at least one slot per
+from the rule, not with the engine's ``process``: :func:`target_distribution`, which the
+exactness tests use too), so the codes at slots ``s`` and ``s + 1`` have probability
+``(P^(s+1))[start, x] * P[x, y]``. Every row commits at least one slot per
 iteration, so after ``s + 2`` iterations both are committed. A later pair than the first
 (``s = 4`` by default) lets redrafts, adaptive continuation and VP's history take part.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..compiled import compile_stages
@@ -49,16 +51,53 @@ def bigram_tables(vocab: int, device: torch.device, seed: int = 0
     return cond.to(device), uncond.to(device)
 
 
+def target_distribution(cond: np.ndarray, uncond: np.ndarray | None,
+                        guidance: float | np.ndarray, temperature: float, top_k: int,
+                        top_p: float) -> np.ndarray:
+    """The target of each row of raw logits (..., V), in float64, written from the rule, not
+    with the engine's ``process`` (so that a mistake there is caught); ``guidance`` may be an
+    array of scales that broadcasts against the logits (one per slot):
+
+    1. classifier-free guidance on raw logits, ``l = l_u + s * (l_c - l_u)`` (no unconditional
+       logits: ``l = l_c``);
+    2. division by the temperature;
+    3. top-k: every code whose value is at least the k-th largest value is kept, so codes tied
+       with the k-th value are all kept (``top_k = 0`` or ``>= V``: all);
+    4. top-p on the softmax of what top-k kept: codes in order of probability (ties: lower code
+       first) are kept while the mass of the codes before them is below ``top_p``, i.e. the
+       smallest set of most likely codes whose mass reaches ``top_p`` (``top_p = 1``: all);
+    5. softmax over the kept codes.
+    """
+    cond = np.asarray(cond, dtype=np.float64)
+    if uncond is None:
+        logits = cond
+    else:
+        uncond = np.asarray(uncond, dtype=np.float64)
+        logits = uncond + guidance * (cond - uncond)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    kept = np.ones(logits.shape, dtype=bool)
+    if 0 < top_k < vocab:
+        kth = -np.sort(-logits, axis=-1)[..., top_k - 1:top_k]  # the k-th largest value
+        kept = logits >= kth
+    top = np.where(kept, logits, -np.inf).max(axis=-1, keepdims=True)
+    weights = np.where(kept, np.exp(logits - top), 0.0)
+    probs = weights / weights.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:  # a code stays while the codes strictly more likely hold less than top_p
+        more_likely = probs[..., None, :] > probs[..., :, None]
+        mass_above = np.where(more_likely, probs[..., None, :], 0.0).sum(-1)
+        probs = np.where((mass_above < top_p) & (probs > 0), probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
 def float64_target(cond: torch.Tensor, uncond: torch.Tensor,
                    sampling: SamplingSettings) -> torch.Tensor:
-    """The target after each code, (V, V) float64: guidance on raw logits, temperature, then
-    the codes at least as large as the k-th largest kept, softmax (top-p is off here)."""
-    cond, uncond = cond.double().cpu(), uncond.double().cpu()
-    logits = (uncond + sampling.guidance * (cond - uncond)) / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    """The target after each code of the bigram tables, (V, V) float64 on the CPU
+    (:func:`target_distribution`)."""
+    return torch.from_numpy(target_distribution(
+        cond.cpu().numpy(), uncond.cpu().numpy(), sampling.guidance, sampling.temperature,
+        sampling.top_k, sampling.top_p))
 
 
 def pair_probabilities(target: torch.Tensor, slot: int, start: int = START) -> torch.Tensor:
@@ -129,14 +168,15 @@ def draw_pairs(cond: torch.Tensor, uncond: torch.Tensor, sampling: SamplingSetti
     return (grid[:, slot] * VOCAB + grid[:, slot + 1]).cpu(), run.report()
 
 
-def chi_square(pairs: torch.Tensor, probabilities: torch.Tensor) -> dict:
-    """Pearson's chi-square of ``pairs`` (flat cell indices) against ``probabilities`` (float64):
-    statistic, degrees of freedom, p-value; cells expected fewer than :data:`MIN_EXPECTED`
-    times are pooled, and a draw in a cell of probability 0 gives p = 0."""
+def chi_square(pairs: torch.Tensor, probabilities: torch.Tensor,
+               min_expected: float = MIN_EXPECTED) -> dict:
+    """Pearson's chi-square of ``pairs`` (flat cell indices) against ``probabilities``
+    (computed in float64): statistic, degrees of freedom, p-value; cells expected fewer than
+    ``min_expected`` times are pooled, and a draw in a cell of probability 0 gives p = 0."""
     counts = torch.bincount(pairs, minlength=len(probabilities)).double()
     impossible = int(counts[probabilities == 0].sum())
-    expected = probabilities * len(pairs)
-    large = expected >= MIN_EXPECTED
+    expected = probabilities.double() * len(pairs)
+    large = expected >= min_expected
     observed = torch.cat([counts[large], counts[~large & (probabilities > 0)].sum()[None]])
     wanted = torch.cat([expected[large], expected[~large].sum()[None]])
     used = wanted > 0

@@ -75,7 +75,7 @@ from ..models.vqgan import VQGANConfig, VQGANDecoder
 from ..models.session.slot_session import SlotSession
 from . import draw_check
 from .bandwidth_floor import (COPY_REPEATS, PUBLISHED_CODES_PER_ITERATION, StepFloor,
-                              cache_bytes, copy_bandwidth, mean_fill_positions,
+                              copy_bandwidth, mean_fill_positions,
                               projected_image_seconds, synchronize)
 from .bench import generate_seconds
 from .host_reads import HostReads
@@ -464,8 +464,8 @@ def step_floor(model: ChameleonImageModel, bandwidth: float, copy_bytes: int) ->
                                     len(model.unconditional_ids(RESOLUTION)), codes)
     capacity = session.store.rows * session.store.capacity
     shape, weights = model.memory_shape, weights_read(model)
-    at_fill = StepFloor(weights, cache_bytes(shape, positions), bandwidth)
-    at_capacity = StepFloor(weights, cache_bytes(shape, capacity), bandwidth)
+    at_fill = StepFloor(weights, shape.cache_bytes(positions), bandwidth)
+    at_capacity = StepFloor(weights, shape.cache_bytes(capacity), bandwidth)
     return {"copy_bytes": copy_bytes, "bandwidth_gb_s": bandwidth / 1e9, "image_codes": codes,
             "cached_positions": positions, "weight_bytes": weights,
             "cache_bytes": at_fill.cache_bytes, "step_bytes": at_fill.step_bytes,

@@ -105,9 +105,7 @@ class SlotSession(DecodingSession):
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
         self._network = self._network_step  # the network call of forward and advance
-        self._compiled = False  # whether the network runs compiled (see _attention)
-        self._static_shapes = False  # whether its graphs hold fixed shapes (see _attention)
-        self._attended, self._first_column = self.store.capacity, None  # see _attention
+        self._first_column: int | None = None  # where a slice write starts (see _attention)
         self._keep_rows()
 
     # ------------------------------------------------------------------ what a model adds
@@ -138,8 +136,6 @@ class SlotSession(DecodingSession):
         Returns what tells how compiling went."""
         self._network = compile_network(self._network_step, self.device,
                                         lambda: self.store.settled, self.store.buffers)
-        self._compiled = True
-        self._static_shapes = isinstance(self._network, CapturedNetwork)
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
@@ -149,8 +145,8 @@ class SlotSession(DecodingSession):
         changes between forwards is an argument (the cache's buffers stay where they are).
         The layers that allocated their cache in this call are joined at its end, so that the
         next call is already compiled (``store.settled``)."""
-        self.store.plan(columns, self._attended if mask is None else mask.shape[-1],
-                        self._first_column)
+        attended = self._first_column + inputs.shape[1] if mask is None else mask.shape[-1]
+        self.store.plan(columns, attended, self._first_column)
         hidden = self._run(inputs, positions, mask)
         self.store.join()
         return hidden
@@ -170,7 +166,7 @@ class SlotSession(DecodingSession):
         allowed = (key <= query) & (key >= padding[..., None])
         allowed |= torch.eye(n, capacity, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
-        self._attended, self._first_column = capacity, None
+        self._first_column = None
         self._network_step(inputs, positions, self.mask.values(allowed)[:, None],
                            order.expand(len(self._padding), n))
 
@@ -358,8 +354,9 @@ class SlotSession(DecodingSession):
 
     def _attention(self, tokens: int, lengths: np.ndarray) -> torch.Tensor | None:
         """The mask of a forward feeding ``tokens`` tokens per row after rows of ``lengths`` (R,)
-        cached columns, and how it reads and writes the cache (``_attended``,
-        ``_first_column``).
+        cached columns (its length: the columns the forward attends over), and where an eager
+        forward writes its tokens as one slice (``_first_column``; None: through index
+        tensors).
 
         Plain autoregression of a single image (its rows, the image's conditional and
         unconditional ones, are always in step): only the columns in use. Eager, the code is
@@ -371,15 +368,13 @@ class SlotSession(DecodingSession):
         cached and its cost does not change along the image (``auto`` compares times of its
         shapes measured at different points of the image; plain autoregression, whose cost
         grows, it times again and again)."""
+        self._first_column = None
         if tokens == 1 and self.batch_size == 1 and lengths.min() == lengths.max() \
-                and not self._static_shapes:
-            attended = int(lengths[0]) + 1
-            if self._compiled or self._padding.any():
-                self._attended, self._first_column = self.store.capacity, None
-                return self.mask.view(1)[..., :attended]
-            self._attended, self._first_column = attended, int(lengths[0])
+                and not isinstance(self._network, CapturedNetwork):
+            if isinstance(self._network, CompiledNetwork) or self._padding.any():
+                return self.mask.view(1)[..., :int(lengths[0]) + 1]
+            self._first_column = int(lengths[0])
             return None
-        self._attended, self._first_column = self.store.capacity, None
         return self.mask.view(tokens)
 
     def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
