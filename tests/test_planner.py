@@ -347,7 +347,7 @@ def test_ar_s_turns_do_not_wait_behind_the_windows_probes():
 
 def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     """A hopeful run whose expected charge would take learning past 5% of the generation's time
-    is not made: its turn passes to the next probe, ``_REESTIMATE`` iterations later. Once the
+    is not made: its turn passes to the next probe, ``_NEXT_TURN`` iterations later. Once the
     generation's time has grown, the window's next turn runs."""
     plan = learnt(plan_for(adaptive_tree=False, proactive_drafting=False), [0.85], 0.0)
     plan.profile.at_risk[2:] = 0.0  # depths past 1 never reached: window 32 may be lucky
@@ -360,7 +360,7 @@ def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     assert plan._rates().argmax() == 0 < plan._optimistic_rates()[window] - plan._rates().max()
     plan.learning_cost = 0.05 * 2304 * 0.010  # the image's budget, spent
     assert describe_shape(plan.choose()) == "AR"
-    assert plan.profile.until_probe == planner._REESTIMATE
+    assert plan.profile.until_probe == planner._NEXT_TURN
     assert plan.profile.probes_made == 3 and plan.profile.windows_run == 1
     plan.elapsed = 100.0  # much later: the budget has grown
     plan.profile.probes_made, plan.profile.until_probe = 4, 1
@@ -418,11 +418,12 @@ def test_an_iteration_after_images_left_the_batch_is_left_out_of_the_times():
 def test_compiled_auto_feeds_each_of_its_shapes_once_in_its_first_image(overrides):
     """Each shape compiles when it is first fed at the batch's full size (seconds on a CPU).
     Compiled ``auto`` feeds every one of its shapes once, after its opening runs and before its
-    first run of the longest window, so later images compile nothing; a shape
+    first run of the longest window (where the cost is forward passes, that window is the best
+    shape, fed as such), so later images compile nothing; a shape
     first fed after images had left the batch (uncompiled) is fed again in the next image."""
     plan = plan_for(lambda iteration: 0.010, **overrides)
     fed = []
-    while plan.profile.probes_made == 0 or plan.queue:
+    while len(fed) < 200 and (plan.profile.probes_made == 0 or len(fed) < 60):
         tree = plan.choose()
         fed.append(tree)
         plan.observe(tree, [0], [4], True, (0, 0))
@@ -563,3 +564,29 @@ def test_where_drafts_pass_and_wide_forwards_are_cheap_auto_speculates():
     runs = simulate(lambda nodes: 0.010 + 0.00001 * nodes, 0.9)
     assert all(run["ar_share"] <= 0.1 and run["speed"] >= 3.0 for run in runs[1:]), runs
     assert "x AR; learning took" in runs[-1]["choice"]["auto_choice"]
+
+
+def test_while_ar_is_fed_between_learning_runs_the_rates_are_estimated_every_32_iterations(
+        monkeypatch):
+    """Estimating every shape's rate takes tens of numpy operations, more than the bookkeeping
+    of a lean AR step should; between learning runs it is made every ``_ESTIMATE_EVERY``
+    iterations, and the times read meanwhile are booked then: AR's new time moves the estimate
+    at the next one."""
+    times = {}
+    plan = learnt(plan_for(times.get, adaptive_tree=False, proactive_drafting=False), [0.85],
+                  0.0)
+    plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.014, 16: 0.026}
+    plan.profile.until_probe, plan.current, plan.image_codes = 10**6, 0, 2304
+    estimates = []
+    made = AutoPlan._rates
+    monkeypatch.setattr(AutoPlan, "_rates", lambda self: estimates.append(self.iteration)
+                        or made(self))
+    for iteration in range(320):
+        times[iteration] = 0.004
+        tree = plan.choose()
+        assert describe_shape(tree) == "AR"
+        plan.observe(tree, [0], [1], True, (0, 0))
+        if iteration == 10:
+            assert plan.profile.seconds[1] == 0.010  # read, not booked yet
+    assert estimates == list(range(0, 320, planner._ESTIMATE_EVERY))
+    assert plan.profile.seconds[1] == 0.004

@@ -122,8 +122,7 @@ class _Decoder:
         flat = self.row_start + self.committed
         self.codes.index_put_((flat,), token)
         if self.column_targets is not None:
-            self.column_targets[torch.arange(len(self.rows), device=self.device),
-                                self.committed % self.width] = target
+            self._keep_column_targets(target)
         self.recorder.committed_slots(self.iteration, flat, target.amax(-1))
         self.committed += 1
         self.anchor = token
@@ -131,6 +130,17 @@ class _Decoder:
         self.done = [d + 1 for d in self.done]
         self.siblings = (0, 0)
         return [1] * len(self.rows)
+
+    def _keep_column_targets(self, target: torch.Tensor) -> None:
+        """Each row's ``target``, for the slot it commits now, as its column's (the
+        ``above_target`` drafts of the row below start from it). Where the rows are at one
+        column, as always at batch 1, that is one plain slice copy."""
+        columns = {done % self.width for done in self.done}
+        if len(columns) == 1:
+            self.column_targets[:, columns.pop()] = target
+        else:
+            self.column_targets[torch.arange(len(self.rows), device=self.device),
+                                self.committed % self.width] = target
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
         """Draft the window as ``tree``, feed it, then verify it, commit the accepted path and

@@ -101,8 +101,10 @@ _AR_PROBE_RUN = 30  # iterations of a probe run of AR: on a CPU AR's first 15 to
 _OPENING_RUN = 12  # iterations of each window that a new profile times and counts drafts on
 _RECENT_TIMES = 9  # a shape's seconds: the median of its last this many times
 _UNDERRATED = 0.15  # about what counts made on a shorter window underrate a longer one by
-_REESTIMATE = 8  # iterations between two estimates of every shape's rate: the estimate moves
-# slowly, and it need not be made for every iteration
+_NEXT_TURN = 8  # iterations before the next turn, where a turn passed without a run
+_ESTIMATE_EVERY = 32  # iterations between two estimates of every shape's rate (and right after
+# a learning run): between learning runs the estimate moves slowly, and making it costs more
+# than a lean AR step's bookkeeping should
 # iterations a new profile learns before it feeds what it expects to pay most (its opening and
 # the longest window's first run); a measurement of what auto settles on starts after them
 LEARNING_ITERATIONS = _TIMED_RUN + _OPENING_RUN + _FIRST_PROBE_RUN
@@ -237,7 +239,9 @@ class AutoPlan:
     - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
       forward, and the next few after a switch, run slower), one in which the network compiled,
       and one that fed fewer rows than the batch has. A shape's seconds are the median of its
-      last nine times; its fastest time is kept too.
+      last nine times; its fastest time is kept too. Times are booked as they are read while
+      learning (a run's charge counts against the budget at once), and otherwise when the rates
+      are estimated again: every 32 iterations and right after a learning run.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is charged
       its seconds beyond what the best shape would have taken for the codes it committed. A new
       profile opens with AR and the short window (4), 12 iterations each. Then probe turns come, in
@@ -352,13 +356,15 @@ class AutoPlan:
             self.queue = []
         if not self.queue:
             self.queue = self._learning_run()
+            if self.untimed:  # the clock failed as the times were read
+                return self.probes[0]
         self.learning = bool(self.queue)
         if self.queue:
             return self.queue.pop(0)
         unfed = self.compiles and self._unfed()
         if unfed:  # the first image ended before they all compiled
             return unfed[0]
-        return self.shapes[self._best(self.rates)]
+        return self.shapes[self.current]
 
     def _best(self, rates: np.ndarray) -> int:
         """The shape to feed between learning runs: the current one, unless another is expected
@@ -368,19 +374,26 @@ class AutoPlan:
             self.current = best
         return self.current
 
+    def _estimate(self) -> None:
+        """Book the times read so far, estimate every shape's rate, and settle what that
+        decides: the windows whose drafts count, and the shape fed between learning runs."""
+        self._read_times()
+        self.rates, self.rates_until = self._rates(), self.iteration + _ESTIMATE_EVERY
+        self.counted_from = self._longest_hopeful_window(self.rates)
+        self._best(self.rates)
+
     def _learning_run(self) -> list[DraftTree]:
         """What to feed next to learn: a new profile's opening, or a probe run where one is due
         and pays its way; none otherwise. Makes the estimate of every shape's rate again every
-        ``_REESTIMATE`` iterations."""
+        ``_ESTIMATE_EVERY`` iterations and right after a learning run."""
         opening = []
         if not self.profile.opened:
             self.profile.opened = True
             opening = self._opening()
         if opening or self.compiles and self._unfed():
             return opening
-        if self.rates is None or self.iteration >= self.rates_until:
-            self.rates, self.rates_until = self._rates(), self.iteration + _REESTIMATE
-            self.counted_from = self._longest_hopeful_window(self.rates)
+        if self.rates is None or self.learning or self.iteration >= self.rates_until:
+            self._estimate()
         if self.current != 0 and self._ar_turn_due():
             return self._ar_run(self.rates)
         return self._probe_run(self.rates) if self._probe_due(self.rates) else []
@@ -413,12 +426,12 @@ class AutoPlan:
 
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next probe turn's run: in turn the longest window and its tree. None, and the
-        next turn ``_REESTIMATE`` iterations later (skipping costs nothing), where the shape is
+        next turn ``_NEXT_TURN`` iterations later (skipping costs nothing), where the shape is
         fed anyway or could not beat the best one even if it were as lucky as what was counted allows
         (the first window run is priced at that luck instead: the opening's counts, made on the
         short window in the top rows, underrate long windows, and its counts replace them).
         None yet where the learning budget does not cover the run (:meth:`_affordable`): the
-        turn passes (the first window run waits), and the next comes ``_REESTIMATE`` iterations
+        turn passes (the first window run waits), and the next comes ``_NEXT_TURN`` iterations
         later."""
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
@@ -426,14 +439,14 @@ class AutoPlan:
         first = profile.windows_run == 0
         if index == self.current or not first and \
                 self._optimistic_rates()[index] < rates.max():  # the next turn comes soon
-            profile.probes_made, profile.until_probe = profile.probes_made + 1, _REESTIMATE
+            profile.probes_made, profile.until_probe = profile.probes_made + 1, _NEXT_TURN
             return []
         rate = self._optimistic_rates()[index] if first else rates[index]
         length = min(_FIRST_PROBE_RUN if first else _PROBE_RUN,
                      self._affordable(rate, index, rates))
         if length < _PROBE_RUN:  # too few to learn from: later, when the budget has grown
             profile.probes_made += not first
-            profile.until_probe = _REESTIMATE
+            profile.until_probe = _NEXT_TURN
             return []
         if first:
             profile.at_risk[:], profile.stopped[:] = 0.0, 0.0
@@ -454,11 +467,11 @@ class AutoPlan:
 
     def _ar_run(self, rates: np.ndarray) -> list[DraftTree]:
         """AR's timing run: ``_AR_PROBE_RUN`` iterations, or none where the learning budget
-        does not cover them (the turn then comes ``_REESTIMATE`` iterations later)."""
+        does not cover them (the turn then comes ``_NEXT_TURN`` iterations later)."""
         profile = self.profile
         length = min(_AR_PROBE_RUN, self._affordable(rates[0], 0, rates))
         if length < _AR_PROBE_RUN:
-            profile.until_ar_turn = _REESTIMATE
+            profile.until_ar_turn = _NEXT_TURN
             return []
         profile.ar_turns, profile.until_ar_turn = profile.ar_turns + 1, None
         return [self.shapes[0]] * length
@@ -577,7 +590,8 @@ class AutoPlan:
                                      and self.run > _TIMING_SETTLE, not timed, self.learning,
                                      codes))
         self.iteration += 1
-        self._read_times()
+        if self.learning or self.rates is None:  # its charge counts against the budget at once
+            self._read_times()
 
     def _read_times(self) -> None:
         """Book the iterations whose seconds the clock has now (:meth:`_book`)."""
@@ -640,6 +654,7 @@ class AutoPlan:
                 profile.stopped[passed + 1] += 1
 
     def notes(self) -> dict:
+        self._read_times()
         rates = self._rates()
         self.profile.current = self._best(rates)  # where the next generation starts
         return {"auto_best_shape": describe_shape(self.shapes[int(rates.argmax())]),
