@@ -25,6 +25,8 @@ from sjd_core.decoding.trace import summary_text
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core import compiled
 from sjd_core.models.session import slot_session
+from sjd_core.models.session.kv_store import KVStore
+from sjd_core.decoding.drafting import DraftTree
 from sjd_core.compiled import (MAX_CAPTURED_SHAPES, CapturedNetwork, CompiledNetwork,
                                CompiledStages, backend, compile_stages)
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
@@ -351,32 +353,46 @@ def test_a_compiled_batch_whose_rows_finish_apart_draws_the_eager_codes(model, m
     assert torch.equal(compiled_run.codes, run(model, settings, batch=3).codes)
 
 
-@pytest.mark.parametrize("captured", [False, True])
-def test_compiled_autoregression_of_one_image_reads_the_columns_in_use(
-        model, monkeypatch, replayed_graphs, captured):
-    """Inductor: plain autoregression of a single image attends over the cache's columns in use,
-    as eager does (its cost grows along the image, never above eager's), through two graphs:
-    the first step's and one whose length is symbolic. CUDA graphs hold fixed shapes: every step
-    attends over the whole capacity."""
-    attended = []
-    network_class = CapturedNetwork if captured else CompiledNetwork
-    call = network_class.__call__
+@pytest.mark.parametrize("network, batch", [("eager", 1), ("eager", 3), ("inductor", 1),
+                                            ("inductor", 3), ("captured", 1)])
+def test_plain_autoregression_reads_the_columns_in_use_whatever_the_sessions_capacity(
+        model, monkeypatch, replayed_graphs, network, batch):
+    """Eager and compiled by inductor, at any batch, a plain autoregressive step attends over
+    the cache's columns in use (its cost grows along the image, and compiled never above
+    eager's), so a session made for ``auto``'s largest shape, with more capacity, costs an AR
+    step what one made for AR alone does; compiled, through two graphs: the first step's and
+    one whose length is symbolic. CUDA graphs hold fixed shapes: every step attends over the
+    whole capacity."""
+    attended, capacity = [], []
+    plan = KVStore.plan
 
-    def spied(network, inputs, positions, mask, columns):
-        attended.append(mask.shape[-1])
-        return call(network, inputs, positions, mask, columns)
+    def spied(store, columns, length, first=None):
+        if columns.shape[1] == 1:  # one token per row: an AR step (the prefill feeds more)
+            attended[-1].append(length)
+            capacity[-1] = store.capacity
+        return plan(store, columns, length, first)
 
-    monkeypatch.setattr(network_class, "__call__", spied)
-    if captured:
+    monkeypatch.setattr(KVStore, "plan", spied)
+    if network == "captured":
         monkeypatch.setattr(slot_session, "compile_network", CapturedNetwork)
-    result = run(model, replace(MODES["ar"], compile=True))
-    assert len(attended) == 36 and result.trace.meta["compile"]["failure"] is None
-    if captured:
-        assert len(set(attended)) == 1
+    compiling = {"compile": network != "eager"}
+    ar_steps = [DraftTree.build(1, (), torch.device("cpu"))] * 36
+    results = []
+    for settings in (MODES["ar"], AccelerationSettings.preset("auto", shape_cost="passes")):
+        attended.append([]), capacity.append(0)
+        monkeypatch.setattr(engine, "make_plan", lambda settings, *rest: _Replay(
+            settings.mode_name, list(ar_steps)))
+        results.append(run(model, replace(settings, **compiling), batch))
+    ar, auto = attended
+    assert capacity[1] > capacity[0]
+    if network == "captured":  # (recording a graph runs the network once more)
+        assert set(ar) == {capacity[0]} and set(auto) == {capacity[1]}
     else:
-        assert attended == list(range(attended[0], attended[0] + 36))
-        assert result.trace.meta["compile"]["compiled_shapes"] == 2
-    assert torch.equal(result.codes, run(model, MODES["ar"]).codes)
+        assert ar == auto == list(range(ar[0], ar[0] + 36))
+    if network == "inductor":
+        assert [r.trace.meta["compile"]["compiled_shapes"] for r in results] == [2, 2]
+    eager_ar = run(model, MODES["ar"], batch).codes
+    assert all(torch.equal(result.codes, eager_ar) for result in results)
 
 
 def test_until_the_cache_is_settled_the_network_runs_eagerly(replayed_graphs, monkeypatch):

@@ -358,24 +358,26 @@ class SlotSession(DecodingSession):
         forward writes its tokens as one slice (``_first_column``; None: through index
         tensors).
 
-        Plain autoregression of a single image (its rows, the image's conditional and
-        unconditional ones, are always in step): only the columns in use. Eager, the code is
-        written as one slice, with no mask unless a context is padded (the code sees every
-        column); compiled by inductor, the mask's length says how many columns (one graph with
-        that length symbolic serves the image). Every other forward, and every forward of a
-        network captured as CUDA graphs (fixed shapes): the mask at the cache's full capacity
-        and writes through index tensors, so that its shapes do not depend on how much is
-        cached and its cost does not change along the image (``auto`` compares times of its
-        shapes measured at different points of the image; plain autoregression, whose cost
-        grows, it times again and again)."""
+        Plain autoregression (one token per row): only the columns in use, up to the longest
+        row's (the mask blocks, for each row, what it does not hold). Eager, where the rows are
+        in step and no context is padded, the code is written as one slice with no mask (the
+        code sees every column); compiled by inductor, the mask's length says how many columns
+        (one graph with that length symbolic serves the image). Every other forward, and every
+        forward of a network captured as CUDA graphs (fixed shapes): the mask at the cache's
+        full capacity and writes through index tensors, so that its shapes do not depend on how
+        much is cached and its cost does not change along the image (``auto`` compares times of
+        its shapes measured at different points of the image; plain autoregression, whose cost
+        grows, it times again and again; so a session made for ``auto``'s largest shape, with
+        more capacity, costs an AR step no more than one made for AR alone)."""
         self._first_column = None
-        if tokens == 1 and self.batch_size == 1 and lengths.min() == lengths.max() \
-                and not isinstance(self._network, CapturedNetwork):
-            if isinstance(self._network, CompiledNetwork) or self._padding.any():
-                return self.mask.view(1)[..., :int(lengths[0]) + 1]
-            self._first_column = int(lengths[0])
+        if tokens > 1 or isinstance(self._network, CapturedNetwork):
+            return self.mask.view(tokens)
+        longest = int(lengths.max())
+        if lengths.min() == longest and not self._padding.any() \
+                and not isinstance(self._network, CompiledNetwork):
+            self._first_column = longest
             return None
-        return self.mask.view(tokens)
+        return self.mask.view(1)[..., :longest + 1]
 
     def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
