@@ -25,7 +25,6 @@ from sjd_core.decoding.trace import summary_text
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core import compiled
 from sjd_core.models.session import slot_session
-from sjd_core.models.session.kv_store import KVStore
 from sjd_core.decoding.drafting import DraftTree
 from sjd_core.compiled import (MAX_CAPTURED_SHAPES, CapturedNetwork, CompiledNetwork,
                                CompiledStages, backend, compile_stages)
@@ -364,15 +363,16 @@ def test_plain_autoregression_reads_the_columns_in_use_whatever_the_sessions_cap
     one whose length is symbolic. CUDA graphs hold fixed shapes: every step attends over the
     whole capacity."""
     attended, capacity = [], []
-    plan = KVStore.plan
+    attention = slot_session.SlotSession._attention
 
-    def spied(store, columns, length, first=None):
-        if columns.shape[1] == 1:  # one token per row: an AR step (the prefill feeds more)
-            attended[-1].append(length)
-            capacity[-1] = store.capacity
-        return plan(store, columns, length, first)
+    def spied(session, tokens, lengths):  # (outside the network: compiled code holds no spy)
+        mask = attention(session, tokens, lengths)
+        if tokens == 1:  # one token per row: an AR step (the prefill feeds more)
+            attended[-1].append(session._first_column + 1 if mask is None else mask.shape[-1])
+            capacity[-1] = session.store.capacity
+        return mask
 
-    monkeypatch.setattr(KVStore, "plan", spied)
+    monkeypatch.setattr(slot_session.SlotSession, "_attention", spied)
     if network == "captured":
         monkeypatch.setattr(slot_session, "compile_network", CapturedNetwork)
     compiling = {"compile": network != "eager"}
