@@ -450,6 +450,27 @@ def test_compiled_auto_feeds_each_of_its_shapes_once_in_its_first_image(override
     assert later._unfed() == []
 
 
+def test_compiled_auto_charges_each_shape_s_first_feed_to_compiling_not_to_learning():
+    """Compiled, a shape's first feed compiles it, even where the engine saw no new graph (torch
+    may compile again for another session's cache, or serve one made for another length). On a
+    short image such feeds, charged as learning, took the whole 5% budget (the reference model,
+    compiled, after compiled AR had run: its first window run was cut to one iteration and auto
+    fed AR, 0.96x AR where a window paid 1.4x). They cost compiling, not learning: the first run
+    of the longest window is made whole."""
+    times: dict[int, float] = {}
+    plan = plan_for(times.get, compile=True)
+    fed: list[DraftTree] = []
+    while len(fed) < 200 and (plan.profile.windows_run == 0 or plan.queue):
+        tree = plan.choose()
+        compiles = all(tree is not other for other in fed)  # seen by torch, not the engine
+        times[len(fed)] = 0.001 + 0.0001 * (tree.size - 1) + (0.02 if compiles else 0.0)
+        fed.append(tree)
+        plan.observe(tree, [0], [tree.window], True, (0, 0))
+    assert {id(tree) for tree in fed} == {id(tree) for tree in plan.shapes}
+    run = len(fed) - next(i for i, tree in enumerate(reversed(fed)) if tree is not fed[-1])
+    assert fed[-1] is plan.probes[0] and run == planner._FIRST_PROBE_RUN
+
+
 def test_a_depth_few_drafts_reached_leans_on_the_rate_of_all_depths():
     """Drafts fail at 10% at every depth; depth 20 was reached twice and passed both times. Its
     estimate stays near 10% (the pooled rate), not near the 30% guess made before any test."""

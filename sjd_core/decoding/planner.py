@@ -168,7 +168,7 @@ class _Fed:
     iteration: int
     nodes: int
     prices: bool  # its seconds price its shape (a settled run at the batch's full size)
-    compiled: bool  # the network compiled a shape in it: its seconds are nobody's cost
+    compiled: bool  # a shape compiled in it (or may have): its seconds are nobody's cost
     learning: bool  # fed to learn (opening or probe), not as the shape expected to pay most
     codes: float  # codes it committed per image
 
@@ -587,8 +587,13 @@ class AutoPlan:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
         full = len(accepted) == self.batch_size  # fewer rows: the images that finished cost
-        if self.compiles and full:  # nothing more, and compile nothing
-            self.profile.fed.add(self.shapes.index(tree))
+        # nothing more, and compile nothing; compiled, a shape's first feed compiles it, in
+        # whatever graph torch picks, and is charged to compiling, not to learning
+        compiling = not timed
+        if self.compiles and full:
+            index = self.shapes.index(tree)
+            compiling = compiling or index not in self.profile.fed
+            self.profile.fed.add(index)
         if tree.tree_levels:
             profile = self.profile
             profile.sibling_tests = _MEMORY * profile.sibling_tests + siblings[0]
@@ -598,8 +603,8 @@ class AutoPlan:
         codes = sum(accepted) / len(accepted)
         self.codes_done += codes
         if not self.untimed:
-            self.pending.append(_Fed(self.iteration, tree.size, timed and full
-                                     and self.run > _TIMING_SETTLE, not timed, self.learning,
+            self.pending.append(_Fed(self.iteration, tree.size, not compiling and full
+                                     and self.run > _TIMING_SETTLE, compiling, self.learning,
                                      codes))
         self.iteration += 1
         if self.learning or self.rates is None:  # its charge counts against the budget at once
