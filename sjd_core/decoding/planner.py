@@ -246,8 +246,9 @@ class AutoPlan:
       come from a least-squares line in fed nodes through the measured shapes, never below its
       own fastest time; plain autoregression (its own, leaner step) keeps its own measured time.
     - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
-      forward, and the next few after a switch, run slower), one in which the network compiled,
-      and one that fed fewer rows than the batch has. A shape's seconds are the median of its
+      forward, and the next few after a switch, run slower), one in which the network compiled
+      (compiled, also every shape's first feed: torch may compile then where the engine saw no
+      new graph), and one that fed fewer rows than the batch has. A shape's seconds are the median of its
       last nine times; its fastest time is kept too. Times are booked as they are read while
       learning (a run's charge counts against the budget at once), and otherwise when the rates
       are estimated again: every 32 iterations and right after a learning run. AR's step
