@@ -168,7 +168,7 @@ class _Fed:
     iteration: int
     nodes: int
     prices: bool  # its seconds price its shape (a settled run at the batch's full size)
-    compiled: bool  # a shape compiled in it (or may have): its seconds are nobody's cost
+    compiling: bool  # a shape compiled in it (or may have): its seconds are nobody's cost
     learning: bool  # fed to learn (opening or probe), not as the shape expected to pay most
     codes: float  # codes it committed per image
 
@@ -248,8 +248,8 @@ class AutoPlan:
     - **Timed.** Every iteration, but the first three of a run of one shape (a shape's first
       forward, and the next few after a switch, run slower), one in which the network compiled
       (compiled, also every shape's first feed: torch may compile then where the engine saw no
-      new graph), and one that fed fewer rows than the batch has. A shape's seconds are the median of its
-      last nine times; its fastest time is kept too. Times are booked as they are read while
+      new graph), and one that fed fewer rows than the batch has. A shape's seconds are the
+      median of its last nine times; its fastest time is kept too. Times are booked as they are read while
       learning (a run's charge counts against the budget at once), and otherwise when the rates
       are estimated again: every 32 iterations and right after a learning run. AR's step
       attends over the columns in use, so its cost grows along an image: each generation
@@ -587,9 +587,10 @@ class AutoPlan:
                 siblings: tuple[int, int], timed: bool = True) -> None:
         self.run = self.run + 1 if tree is self.previous else 1
         self.previous = tree
-        full = len(accepted) == self.batch_size  # fewer rows: the images that finished cost
-        # nothing more, and compile nothing; compiled, a shape's first feed compiles it, in
-        # whatever graph torch picks, and is charged to compiling, not to learning
+        # fewer rows: the images that finished cost nothing more, and compile nothing
+        full = len(accepted) == self.batch_size
+        # compiled, a shape's first feed compiles it in whatever graph torch picks, where the
+        # engine may have seen no new graph: its seconds are compiling's, not learning's
         compiling = not timed
         if self.compiles and full:
             index = self.shapes.index(tree)
@@ -637,7 +638,7 @@ class AutoPlan:
         is forward passes, every iteration costs one."""
         if fed.prices:
             self.profile.time(fed.nodes, seconds)
-        if fed.compiled:
+        if fed.compiling:
             return
         cost = 1.0 if self.per_pass else seconds
         self.elapsed += cost
