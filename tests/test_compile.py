@@ -365,8 +365,8 @@ def test_plain_autoregression_reads_the_columns_in_use_whatever_the_sessions_cap
     attended, capacity = [], []
     attention = slot_session.SlotSession._attention
 
-    def spied(session, tokens, lengths):  # (outside the network: compiled code holds no spy)
-        mask = attention(session, tokens, lengths)
+    def spied(session, tokens, *rows):  # (outside the network: compiled code holds no spy)
+        mask = attention(session, tokens, *rows)
         if tokens == 1:  # one token per row: an AR step (the prefill feeds more)
             attended[-1].append(session._first_column + 1 if mask is None else mask.shape[-1])
             capacity[-1] = session.store.capacity

@@ -46,11 +46,11 @@ class KVStore:
         self._apart = False  # whether some layer was allocated since the last join
         self._write_indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def plan(self, columns: torch.Tensor, attended: int, first: int | None = None) -> None:
+    def plan(self, columns: torch.Tensor | None, attended: int, first: int | None = None) -> None:
         """The next write puts token ``i`` of row ``r`` at column ``columns[r, i]`` (rows,
         tokens), and the forward attends over the first ``attended`` columns. ``first``: the
         column where every row's tokens start, one after another, when the caller knows it on
-        the host (a slice write then replaces the indexed one)."""
+        the host (a slice write then replaces the indexed one; ``columns`` may then be None)."""
         self._columns, self._attended, self._first = columns, attended, first
         self._write_indices.clear()
 

@@ -8,7 +8,10 @@ columns ``0 .. length_r - 1`` open (but a padded context's front), every column 
 visibility among its fed tokens into their columns (``write_block``) and attends through the
 buffer's first query rows at the full capacity (``view``); ``settle`` then opens the columns of
 the kept tokens and blocks the others, for every query row. Each of these writes only the fed
-tokens' columns, through an index tensor, never the cached prefix.
+tokens' columns, through an index tensor, never the cached prefix. Plain autoregression of rows
+in step keeps one code per row, all at one column (``open_column``): such columns are opened
+together, in one slice write, before the buffer is next read or written, so that steps that
+attend without the mask pay nothing for it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ class MaskBuffer:
     def __init__(self, lengths: torch.Tensor, query_rows: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, padding: torch.Tensor | None = None) -> None:
         self.dtype, self.device = dtype, device
-        self._blocked = False if dtype == torch.bool else torch.finfo(dtype).min
+        boolean = dtype == torch.bool
+        self._open, self._blocked = (True, False) if boolean else (0.0, torch.finfo(dtype).min)
+        self._opening: tuple[int, int] | None = None  # columns to open in every row: from, to
         self._choices = (torch.tensor(0, dtype=dtype, device=device),
                          torch.tensor(self._blocked, dtype=dtype, device=device))
         columns = torch.arange(capacity, device=device)
@@ -39,12 +44,18 @@ class MaskBuffer:
         self._set(settled[:, None, None, :].expand(-1, 1, query_rows, -1).contiguous())
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The mask (rows, 1, query_rows, capacity), every column opened so far included."""
+        self._open_pending()
+        return self._buffer
+
+    @property
     def query_rows(self) -> int:
-        return self.buffer.shape[2]
+        return self._buffer.shape[2]
 
     @property
     def capacity(self) -> int:
-        return self.buffer.shape[3]
+        return self._buffer.shape[3]
 
     def values(self, allowed: torch.Tensor) -> torch.Tensor:
         """Booleans (True = may attend) as mask values of this buffer's dtype."""
@@ -56,6 +67,7 @@ class MaskBuffer:
         """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
         (rows or 1, n, n) mask values say what each of them sees of the others."""
         rows, _, n = columns.shape
+        self._open_pending()
         self._by_row[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
 
     def view(self, tokens: int) -> torch.Tensor:
@@ -66,6 +78,7 @@ class MaskBuffer:
         """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
         later query of row ``r``; the rest are blocked."""
         n, queries = columns.shape[2], self.query_rows
+        self._open_pending()
         values = self.values(self._offsets(n) < kept.view(-1, 1, 1))
         self._by_row.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
 
@@ -87,8 +100,23 @@ class MaskBuffer:
         larger[:, :, :, :old_capacity] = settled
         self._set(larger)
 
+    def open_column(self, column: int) -> None:
+        """Open ``column`` of every row to every query (a code each row keeps there at once);
+        columns opened one after another are written together, when the buffer is next used."""
+        if self._opening is not None and self._opening[1] == column:
+            self._opening = (self._opening[0], column + 1)
+            return
+        self._open_pending()
+        self._opening = (column, column + 1)
+
+    def _open_pending(self) -> None:
+        if self._opening is not None:
+            start, end = self._opening
+            self._opening = None
+            self._buffer[..., start:end] = self._open
+
     def _set(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
+        self._buffer = buffer
         self._by_row = buffer[:, 0]
         self._ranges: dict[int, torch.Tensor] = {}
 

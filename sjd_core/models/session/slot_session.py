@@ -25,6 +25,7 @@ without a mask where no context is padded (see ``_attention``).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,21 @@ class Fed:
 _OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
 
 
+def _without_grad(method: Callable) -> Callable:
+    """``torch.no_grad()`` around a session method, entered only where gradients are on: the
+    engine decodes in inference mode already, where entering the context would cost every
+    step a few microseconds of host time for nothing."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return method(*args, **kwargs)
+        with torch.no_grad():
+            return method(*args, **kwargs)
+
+    return run
+
+
 class SlotSession(DecodingSession):
     """A prefilled session for ``batch_size`` images on a ``grid`` (see the module docstring).
 
@@ -91,6 +107,7 @@ class SlotSession(DecodingSession):
         self.device = torch.device(device)
         context = np.asarray(prefix, dtype=np.int64)
         self._padding = context.max() - context  # columns in front of each row's context
+        self._padded = bool(self._padding.any())
         self.layout = GridLayout(grid, row_end, np.full_like(context, context.max()), start)
         query_rows = self.layout.tokens_per_forward(max_nodes)
         capacity = self.layout.capacity(query_rows)
@@ -139,10 +156,11 @@ class SlotSession(DecodingSession):
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
         """The network on the fed tokens, their keys and values written at cache ``columns``
-        (R, tokens): the call compiled or captured per fed shape, so every tensor it reads that
-        changes between forwards is an argument (the cache's buffers stay where they are).
+        (R, tokens; None: as one slice from ``_first_column``): the call compiled or captured
+        per fed shape, so every tensor it reads that changes between forwards is an argument
+        (the cache's buffers stay where they are).
         The layers that allocated their cache in this call are joined at its end, so that the
         next call is already compiled (``store.settled``)."""
         attended = self._first_column + inputs.shape[1] if mask is None else mask.shape[-1]
@@ -177,7 +195,7 @@ class SlotSession(DecodingSession):
         return slice(end - length, end)
 
     # ------------------------------------------------------------------ forward
-    @torch.no_grad()
+    @_without_grad
     def forward(self, codes: torch.Tensor, slots: torch.Tensor,
                 ancestors: torch.Tensor | np.ndarray,
                 committed: Sequence[int], mark: Callable[[], None] | None = None
@@ -198,7 +216,9 @@ class SlotSession(DecodingSession):
                               else self.mask.values(fed.visible))
         if mark is not None:
             mark()
-        hidden = self._network(inputs, fed.positions, self._attention(plan.tokens, plan.lengths),
+        longest = int(plan.lengths.max())
+        hidden = self._network(inputs, fed.positions,
+                               self._attention(plan.tokens, longest, plan.lengths.min() == longest),
                                fed.columns)
         if fed.outputs is not None:
             index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
@@ -297,7 +317,7 @@ class SlotSession(DecodingSession):
                             "its depth in the tree, and committed must grow by the nodes kept (a "
                             "path of the tree)")
 
-    @torch.no_grad()
+    @_without_grad
     def advance(self, codes: torch.Tensor, committed: Sequence[int],
                 mark: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plain autoregression's step: feed ``codes`` (B,) at slot ``committed[b] - 1`` of each
@@ -316,7 +336,7 @@ class SlotSession(DecodingSession):
             raise ValueError(f"advance got codes of shape {tuple(codes.shape)}; expected "
                              f"(B={self.batch_size},), one code per row.")
         if self._in_step and isinstance(committed, list) and committed == self._expected:
-            return self._advance_in_step(codes, np.asarray(committed), mark)
+            return self._advance_in_step(codes, committed, mark)
         done = self._check_inputs(codes[:, None], codes[:, None], self._one_node, committed)
         if self._expected is not None and done.tolist() != self._expected:
             raise ValueError(f"advance got committed={quote(committed)}, which does not continue the "
@@ -327,22 +347,23 @@ class SlotSession(DecodingSession):
         cond, uncond = self.forward(codes[:, None], slots_on_device["slots"], self._one_node,
                                     committed, mark)
         self.keep(self._keep_one)
-        self._continue_from(done)
+        self._continue_from(done.tolist())
         return cond[:, 0], None if uncond is None else uncond[:, 0]
 
-    def _advance_in_step(self, codes: torch.Tensor, committed: np.ndarray,
+    def _advance_in_step(self, codes: torch.Tensor, committed: list[int],
                          mark: Callable[[], None] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``advance`` where the rows have committed ``committed`` slots, continuing the last
-        advance, and no code fed ends a grid row: no layout, only each row's next column."""
-        counts = self._sequence_counts(committed)
-        held = self.layout.cached_length(counts)  # each sequence's next column
-        columns, offsets = self._next_places(counts, held)
+        advance, and no code fed ends a grid row: no layout, only each row's next column (see
+        :meth:`_next_columns`)."""
+        in_step = committed.count(committed[0]) == len(committed)
+        held, columns, offsets = self._next_columns(committed, in_step)
         positions = self._start_positions + offsets
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
-        self.mask.settle(columns[:, None], self._kept_one)  # kept at once: open to every query
         if mark is not None:
             mark()
-        mask = self._attention(1, held)
+        mask = self._attention(1, int(held.max()), in_step)
+        if columns is None and self._first_column is None:  # written through an index tensor
+            columns = torch.full((len(held), 1), int(held[0]), device=self.device)
         logits = self._logits(self._network(inputs, positions, mask, columns))[:, 0]
         if mark is not None:
             mark()
@@ -352,11 +373,33 @@ class SlotSession(DecodingSession):
             return logits[: self.batch_size], logits[self.batch_size:]
         return logits, None
 
-    def _attention(self, tokens: int, lengths: np.ndarray) -> torch.Tensor | None:
-        """The mask of a forward feeding ``tokens`` tokens per row after rows of ``lengths`` (R,)
-        cached columns (its length: the columns the forward attends over), and where an eager
-        forward writes its tokens as one slice (``_first_column``; None: through index
-        tensors).
+    def _next_columns(self, committed: list[int], in_step: bool
+                      ) -> tuple[np.ndarray, torch.Tensor | None, torch.Tensor | int]:
+        """Each cached sequence's length ``held`` (R,) after ``committed`` slots per row, which
+        is the column of its next code, opened in the mask (the code is kept at once); that
+        column (R, 1) on the device; and how far past its slot -1 token the code sits (R, 1 or
+        a number). Every row's prefix is as long, so rows in step (``in_step``: every count the
+        same) share one column: host integers, no column tensor (made only where the network
+        writes through one), the column opened with the ones before it
+        (:meth:`.MaskBuffer.open_column`); rows out of step send theirs in one copy."""
+        if in_step:
+            column = int(self.layout.cached_length(committed[0])[0])
+            self.mask.open_column(column)
+            return (np.full(len(self.layout.prefix), column), None,
+                    int(self.layout.code_offset(committed[0] - 1)))
+        counts = self._sequence_counts(np.asarray(committed))
+        held = self.layout.cached_length(counts)
+        places = host_to_device({"columns": held.reshape(-1, 1),
+                                 "offsets": self.layout.code_offset(counts - 1).reshape(-1, 1)},
+                                self.device)  # contiguous, as a compiled network's graph wants
+        self.mask.settle(places["columns"][:, None], self._kept_one)
+        return held, places["columns"], places["offsets"]
+
+    def _attention(self, tokens: int, longest: int, in_step: bool) -> torch.Tensor | None:
+        """The mask of a forward feeding ``tokens`` tokens per row after rows of at most
+        ``longest`` cached columns (``in_step``: all as long), its length the columns the
+        forward attends over, and where an eager forward writes its tokens as one slice
+        (``_first_column``; None: through index tensors).
 
         Plain autoregression (one token per row): only the columns in use, up to the longest
         row's (the mask blocks, for each row, what it does not hold). Eager, where the rows are
@@ -372,9 +415,7 @@ class SlotSession(DecodingSession):
         self._first_column = None
         if tokens > 1 or isinstance(self._network, CapturedNetwork):
             return self.mask.view(tokens)
-        longest = int(lengths.max())
-        if lengths.min() == longest and not self._padding.any() \
-                and not isinstance(self._network, CompiledNetwork):
+        if in_step and not self._padded and not isinstance(self._network, CompiledNetwork):
             self._first_column = longest
             return None
         return self.mask.view(1)[..., :longest + 1]
@@ -383,29 +424,15 @@ class SlotSession(DecodingSession):
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
         return np.concatenate([committed, committed]) if self.guided else committed
 
-    def _next_places(self, counts: np.ndarray, held: np.ndarray
-                     ) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """The cache column (R, 1) of each sequence's next code, ``held`` (R,) its cached length
-        after ``counts`` (R,) slots, and how far past its slot -1 token that code sits (R, 1 or a
-        number). Every row's prefix is as long, so rows in step share one column: host
-        integers, nothing copied; rows out of step send theirs in one copy."""
-        if held.min() == held.max():
-            return (torch.full((len(held), 1), int(held[0]), device=self.device),
-                    int(self.layout.code_offset(int(counts[0]) - 1)))
-        places = host_to_device({"columns": held.reshape(-1, 1),
-                                 "offsets": self.layout.code_offset(counts - 1).reshape(-1, 1)},
-                                self.device)  # contiguous, as a compiled network's graph wants
-        return places["columns"], places["offsets"]
-
-    def _continue_from(self, committed: np.ndarray) -> None:
+    def _continue_from(self, committed: list[int]) -> None:
         """What the next advance must give after one that fed the codes at slots
-        ``committed - 1`` (B,): one slot more per row, and the lean step unless a code it
+        ``committed[b] - 1``: one slot more per row, and the lean step unless a code it
         feeds ends a grid row."""
-        self._expected = (committed + 1).tolist()
-        self._in_step = not self.layout.ends_row(committed).any()
+        self._expected = [count + 1 for count in committed]
+        self._in_step = not any(self.layout.ends_row(count) for count in set(committed))
 
     # ------------------------------------------------------------------ keep and retain
-    @torch.no_grad()
+    @_without_grad
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the entries of the fed nodes where ``mask`` (B, T) is True, per row; drop the rest.
 
@@ -456,7 +483,7 @@ class SlotSession(DecodingSession):
         if self._fed is not None:
             self.keep(torch.zeros(self.batch_size, self._fed.nodes, dtype=torch.bool))
 
-    @torch.no_grad()
+    @_without_grad
     def retain(self, rows: Sequence[int]) -> None:
         """Go on with only these batch rows (increasing indices into the current rows)."""
         listed = list(rows)
