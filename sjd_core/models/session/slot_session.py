@@ -16,11 +16,12 @@ whatever the length of the cached prefix. Plain autoregression's ``advance`` (on
 kept at once) skips most of it between row ends.
 
 Static shapes: compiled (``compile_network``), inside the network every tensor's shape depends
-only on the fed shape (rows, tokens): every forward attends through the mask buffer read at the
-cache's full capacity (columns past a row's cached length are blocked there), and new entries go
-to the cache through index tensors. So does every eager forward but plain autoregression of a
-single image, whose code goes to the cache as one slice and attends over the columns in use,
-without a mask where no context is padded (see ``_attention``).
+only on the fed shape (rows, tokens): forwards attend through the mask buffer read at the
+cache's full capacity (columns past a row's cached length are blocked there), plain
+autoregression under inductor excepted (it reads the columns in use, their number symbolic in
+one graph), and new entries go to the cache through index tensors. Eager forwards attend the
+same way, and rows in step write their tokens to the cache as one slice; plain autoregression
+then attends without a mask where no context is padded (see ``_attention``).
 """
 
 from __future__ import annotations
@@ -398,25 +399,27 @@ class SlotSession(DecodingSession):
     def _attention(self, tokens: int, longest: int, in_step: bool) -> torch.Tensor | None:
         """The mask of a forward feeding ``tokens`` tokens per row after rows of at most
         ``longest`` cached columns (``in_step``: all as long), its length the columns the
-        forward attends over, and where an eager forward writes its tokens as one slice
+        forward attends over, and where the forward writes its tokens as one slice
         (``_first_column``; None: through index tensors).
 
-        Plain autoregression (one token per row): only the columns in use, up to the longest
-        row's (the mask blocks, for each row, what it does not hold). Eager, where the rows are
-        in step and no context is padded, the code is written as one slice with no mask (the
+        Eager, rows in step put their tokens in the same columns, one after another: one slice
+        from ``longest``. Compiled or captured, writes go through index tensors (shapes that do
+        not depend on where). Plain autoregression (one token per row) attends over the columns
+        in use only, up to the longest row's (the mask blocks, for each row, what it does not
+        hold): eager, where the rows are in step and no context is padded, with no mask (the
         code sees every column); compiled by inductor, the mask's length says how many columns
         (one graph with that length symbolic serves the image). Every other forward, and every
-        forward of a network captured as CUDA graphs (fixed shapes): the mask at the cache's
-        full capacity and writes through index tensors, so that its shapes do not depend on how
-        much is cached and its cost does not change along the image (``auto`` compares times of
-        its shapes measured at different points of the image; plain autoregression, whose cost
-        grows, it times again and again; so a session made for ``auto``'s largest shape, with
-        more capacity, costs an AR step no more than one made for AR alone)."""
-        self._first_column = None
+        forward of a network captured as CUDA graphs (fixed shapes), attends through the mask
+        at the cache's full capacity, so that its shapes do not depend on how much is cached
+        and its cost does not change along the image (``auto`` compares times of its shapes
+        measured at different points of the image; plain autoregression, whose cost grows, it
+        times again and again; so a session made for ``auto``'s largest shape, with more
+        capacity, costs an AR step no more than one made for AR alone)."""
+        eager = not isinstance(self._network, (CompiledNetwork, CapturedNetwork))
+        self._first_column = longest if eager and in_step else None
         if tokens > 1 or isinstance(self._network, CapturedNetwork):
             return self.mask.view(tokens)
-        if in_step and not self._padded and not isinstance(self._network, CompiledNetwork):
-            self._first_column = longest
+        if self._first_column is not None and not self._padded:
             return None
         return self.mask.view(1)[..., :longest + 1]
 
