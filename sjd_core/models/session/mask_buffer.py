@@ -34,8 +34,8 @@ class MaskBuffer:
         boolean = dtype == torch.bool
         self._open, self._blocked = (True, False) if boolean else (0.0, torch.finfo(dtype).min)
         self._opening: tuple[int, int] | None = None  # columns to open in every row: from, to
-        self._choices = (torch.tensor(0, dtype=dtype, device=device),
-                         torch.tensor(self._blocked, dtype=dtype, device=device))
+        self._choices = tuple(torch.tensor(value, dtype=dtype, device=device)
+                              for value in (self._open, self._blocked))
         columns = torch.arange(capacity, device=device)
         held = columns[None, :] < lengths.to(device)[:, None]
         if padding is not None:
