@@ -258,8 +258,9 @@ class AutoPlan:
       its seconds beyond what the best shape would have taken for the codes it committed. A new
       profile opens with AR and the short window (4), 12 iterations each. Then probe turns come, in
       turn the longest window and its full tree, on an interval set from what the last one
-      measured (longer the slower it was than the best shape, and growing with the square root of
-      the turns so far), a run of 10 iterations each. While a window is fed, AR (timed nowhere
+      measured (longer the slower it would be than the best shape even at the luckiest rate the
+      counts allow, and growing with the square root of the turns so far), a run of 10
+      iterations each. While a window is fed, AR (timed nowhere
       else then) has turns of its own, every 64 such iterations times the square root of its
       turns so far, whatever the windows' runs cost: a run of 30 iterations (on a CPU its first
       steps after other work run slower). The first window run comes
@@ -269,11 +270,14 @@ class AutoPlan:
       luckiest acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
       the next turn then comes 8 iterations later. A run
       is cut short, or not made (the turn passes, and the next comes 8 iterations later; the first
-      window run waits instead), where its expected charge would take learning past 5% of the
-      generation's time (so far, plus the rest of the image at the best rate), and a run stops
-      early once learning has cost that much: learning costs at most ``_LEARNING_SHARE`` of
-      every generation, the opening included (give or take the iterations whose seconds are
-      still being read).
+      window run waits instead), where its charge at that luckiest rate would take learning past
+      5% of the generation's time (so far, plus the rest of the image at the best rate), and a
+      run stops early once learning has cost that much: learning costs at most
+      ``_LEARNING_SHARE`` of every generation, the opening included (give or take the iterations
+      whose seconds are still being read). Probes are priced at their luck, not at their
+      expected rate, because a shape's times are measured again only when it runs: a run slowed
+      by another process would otherwise price every later run of its shape out, and ``auto``
+      would feed AR for as long as the model stays loaded.
     - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
       promises 5% more than the current one; that is plain autoregression wherever no window
       pays, and a new profile starts from it.
@@ -420,11 +424,13 @@ class AutoPlan:
 
     def _probe_due(self, rates: np.ndarray) -> bool:
         """Count one iteration towards the next run of the longest window; whether it is due.
-        When a run ended, the interval is set from what it measured."""
+        When a run ended, the interval is set from what it measured: how much slower than the
+        best shape its shape would be even at its luckiest rate."""
         profile = self.profile
         if profile.until_probe is None:
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
-            cost = rates.max() / max(rates[self.shapes.index(last)], 1e-12)  # >= 1: how slower
+            luckiest = self._optimistic_rates()[self.shapes.index(last)]
+            cost = max(rates.max() / max(luckiest, 1e-12), 1.0)  # how slower, at best
             profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
         profile.until_probe -= 1
         return profile.until_probe <= 0
@@ -440,12 +446,12 @@ class AutoPlan:
     def _probe_run(self, rates: np.ndarray) -> list[DraftTree]:
         """The next probe turn's run: in turn the longest window and its tree. None, and the
         next turn ``_NEXT_TURN`` iterations later (skipping costs nothing), where the shape is
-        fed anyway or could not beat the best one even if it were as lucky as what was counted allows
-        (the first window run is priced at that luck instead: the opening's counts, made on the
+        fed anyway or could not beat the best one even if it were as lucky as what was counted
+        allows (the first window run is made whatever its luck: the opening's counts, made on the
         short window in the top rows, underrate long windows, and its counts replace them).
-        None yet where the learning budget does not cover the run (:meth:`_affordable`): the
-        turn passes (the first window run waits), and the next comes ``_NEXT_TURN`` iterations
-        later."""
+        None yet where the learning budget does not cover the run priced at that luck
+        (:meth:`_affordable`): the turn passes (the first window run waits), and the next comes
+        ``_NEXT_TURN`` iterations later."""
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
         index = self.shapes.index(probe)
@@ -454,7 +460,7 @@ class AutoPlan:
                 self._optimistic_rates()[index] < rates.max():  # the next turn comes soon
             profile.probes_made, profile.until_probe = profile.probes_made + 1, _NEXT_TURN
             return []
-        rate = self._optimistic_rates()[index] if first else rates[index]
+        rate = self._optimistic_rates()[index]
         length = min(_FIRST_PROBE_RUN if first else _PROBE_RUN,
                      self._affordable(rate, index, rates))
         if length < _PROBE_RUN:  # too few to learn from: later, when the budget has grown
@@ -492,12 +498,12 @@ class AutoPlan:
     def _affordable(self, rate: float, index: int, rates: np.ndarray) -> int:
         """How many iterations of shape ``index``, expected to commit ``rate`` codes per second,
         the learning budget still covers in this generation: what learning cost so far, plus
-        their expected charge, within ``_LEARNING_SHARE`` of the generation's time (so far, and
-        the rest of the image at the best rate)."""
-        charge = self._seconds()[index] * (1.0 - rate / rates.max())  # per iteration
-        if charge <= 0.0:
-            return _FIRST_PROBE_RUN
-        return max(int(self._budget_left() / charge), 0)
+        their charge at that rate, within ``_LEARNING_SHARE`` of the generation's time (so far,
+        and the rest of the image at the best rate); none once the budget is spent."""
+        budget, charge = self._budget_left(), self._seconds()[index] * (1.0 - rate / rates.max())
+        if budget <= 0.0:
+            return 0
+        return _FIRST_PROBE_RUN if charge <= 0.0 else int(budget / charge)
 
     def _budget_left(self) -> float:
         """Seconds (passes) learning may still cost in this generation: ``_LEARNING_SHARE`` of
