@@ -368,6 +368,38 @@ def test_a_probe_the_budget_cannot_cover_waits_and_passes_its_turn():
     assert plan.profile.probes_made == 5 and plan.profile.windows_run == 2
 
 
+def test_a_probe_run_stopped_before_its_drafts_count_doubles_the_interval_to_the_next_turn():
+    """On a short image a few unlucky iterations of a costly window can use up the learning
+    budget before any draft of its run is counted (the first five are not): such a run taught
+    nothing, and each one doubles the interval to the next probe turn, until a run is counted
+    again; a run stopped later does not."""
+    times = {}
+    plan = learnt(plan_for(times.get, adaptive_tree=False, proactive_drafting=False), [0.85], 0.0)
+    plan.profile.at_risk[2:] = 0.0  # depths past 1 never reached: window 32 may be lucky
+    plan.profile.stopped[2:] = 0.0
+    plan.profile.seconds = plan.profile.fastest = {1: 0.010, 4: 0.014, 16: 0.026}
+    plan.profile.probes_made, plan.profile.until_probe, plan.profile.windows_run = 2, 1, 1
+    plan.current = 0
+
+    def feed(seconds: float, accepted: int) -> str:
+        tree = plan.choose()
+        times[plan.iteration] = seconds if tree.window > 1 else 0.010
+        plan.observe(tree, [0], [accepted if tree.window > 1 else 1], True, (0, 0))
+        return describe_shape(tree)
+
+    assert feed(1.0, 1) == "window 32"  # one iteration of a second: the budget is spent
+    assert feed(0.010, 1) == "AR" and plan.profile.cut_short == 1
+    stopped_once = plan.profile.until_probe + 1
+    plan.profile.until_probe, plan.profile.cut_short = None, 0
+    plan._probe_due(plan.rates)
+    assert abs(stopped_once - 2 * (plan.profile.until_probe + 1)) <= 2
+    # a run whose drafts are counted sets the count of stopped runs back
+    plan.profile.cut_short, plan.profile.until_probe = 3, 1
+    plan.learning_cost = -10.0
+    fed = [feed(0.026, 5) for _ in range(10)]
+    assert fed == ["window 32"] * 10 and plan.profile.cut_short == 0
+
+
 def test_the_first_iterations_of_every_run_are_left_out_of_the_times():
     """A shape's first forward can take several times its usual time (the first in a process,
     or after the prefill), and the next few after a switch of shape still run slower; kept, they

@@ -137,6 +137,7 @@ class _Profile:
     # None: a run just ended, and the next choice sets it from what the run measured
     probes_made: int = 0  # probe turns so far (in turn: the longest window, its tree)
     windows_run: int = 0  # probe runs of the longest window or its tree made so far
+    cut_short: int = 0  # probe runs in a row the budget stopped before any draft was counted
     until_ar_turn: int | None = None  # iterations fed with a window before AR is timed again
     ar_turns: int = 0  # timing runs of AR made while a window was fed
     current: int = -1  # index of the shape the last generation ended with
@@ -277,7 +278,10 @@ class AutoPlan:
       whose seconds are still being read). Probes are priced at their luck, not at their
       expected rate, because a shape's times are measured again only when it runs: a run slowed
       by another process would otherwise price every later run of its shape out, and ``auto``
-      would feed AR for as long as the model stays loaded.
+      would feed AR for as long as the model stays loaded. A probe run stopped before any of
+      its drafts was counted (its first five iterations) doubles the interval to the next turn,
+      until a run is counted again: on a short image, a few unlucky iterations of a costly
+      window can spend the budget every time.
     - **Fed.** Between probes, the shape of the highest expected rate, switched to only if it
       promises 5% more than the current one; that is plain autoregression wherever no window
       pays, and a new profile starts from it.
@@ -370,7 +374,7 @@ class AutoPlan:
         if self.untimed:
             return self.probes[0]
         if self.queue and self._budget_left() < 0.0:  # learning cost more than expected
-            self.queue = []
+            self._cut_run()
         if not self.queue:
             self.queue = self._learning_run()
             if self.untimed:  # the clock failed as the times were read
@@ -390,6 +394,16 @@ class AutoPlan:
         if rates[best] > rates[self.current] * (1 + _HYSTERESIS):
             self.current = best
         return self.current
+
+    def _cut_run(self) -> None:
+        """Stop the run under way: learning has cost its budget. A probe run stopped before any
+        of its drafts was counted taught nothing, and doubles the interval to the next turn
+        (until a run is counted again): on a short image whose budget a few unlucky
+        iterations of a costly window use up, every image would otherwise pay its budget for
+        nothing."""
+        if self.previous is not None and self.previous.window > 1 and self.run <= _SETTLE:
+            self.profile.cut_short += 1
+        self.queue = []
 
     def _estimate(self) -> None:
         """Book the times read so far, estimate every shape's rate, and settle what that
@@ -425,13 +439,15 @@ class AutoPlan:
     def _probe_due(self, rates: np.ndarray) -> bool:
         """Count one iteration towards the next run of the longest window; whether it is due.
         When a run ended, the interval is set from what it measured: how much slower than the
-        best shape its shape would be even at its luckiest rate."""
+        best shape its shape would be even at its luckiest rate; doubled for every run in a row
+        stopped before its drafts were counted (:meth:`_cut_run`)."""
         profile = self.profile
         if profile.until_probe is None:
             last = self.probes[(profile.probes_made - 1) % len(self.probes)]
             luckiest = self._optimistic_rates()[self.shapes.index(last)]
             cost = max(rates.max() / max(luckiest, 1e-12), 1.0)  # how slower, at best
-            profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made))
+            profile.until_probe = int(_PROBE * cost * cost * math.sqrt(profile.probes_made)
+                                      * 2 ** profile.cut_short)
         profile.until_probe -= 1
         return profile.until_probe <= 0
 
@@ -608,6 +624,8 @@ class AutoPlan:
             profile.sibling_passes = _MEMORY * profile.sibling_passes + siblings[1]
         elif warm and self.run > _SETTLE and tree.window >= self.counted_from:
             self._count(tree, np.asarray(accepted))
+        if self.learning and tree.window > 1 and self.run > _SETTLE:  # a probe run counted
+            self.profile.cut_short = 0
         codes = sum(accepted) / len(accepted)
         self.codes_done += codes
         if not self.untimed:
