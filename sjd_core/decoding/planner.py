@@ -265,8 +265,8 @@ class AutoPlan:
       else then) has turns of its own, every 64 such iterations times the square root of its
       turns so far, whatever the windows' runs cost: a run of 30 iterations (on a CPU its first
       steps after other work run slower). The first window run comes
-      right after the opening, 30 iterations, judged at the luckiest rate the counts allow: the
-      short window's counts, made in the top rows, underrate long windows, and that run's counts
+      right after the opening, 30 iterations, and is never skipped as hopeless: the short
+      window's counts, made in the top rows, underrate long windows, and that run's counts
       replace them. A later one is skipped where it could not beat the best shape even with the
       luckiest acceptance the counts allow at its fastest time (:meth:`_optimistic_rates`), and
       the next turn then comes 8 iterations later. A run
