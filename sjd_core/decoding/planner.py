@@ -471,14 +471,12 @@ class AutoPlan:
         profile = self.profile
         probe = self.probes[profile.probes_made % len(self.probes)]
         index = self.shapes.index(probe)
-        first = profile.windows_run == 0
-        if index == self.current or not first and \
-                self._optimistic_rates()[index] < rates.max():  # the next turn comes soon
+        first, luckiest = profile.windows_run == 0, self._optimistic_rates()[index]
+        if index == self.current or not first and luckiest < rates.max():  # next turn soon
             profile.probes_made, profile.until_probe = profile.probes_made + 1, _NEXT_TURN
             return []
-        rate = self._optimistic_rates()[index]
         length = min(_FIRST_PROBE_RUN if first else _PROBE_RUN,
-                     self._affordable(rate, index, rates))
+                     self._affordable(luckiest, index, rates))
         if length < _PROBE_RUN:  # too few to learn from: later, when the budget has grown
             profile.probes_made += not first
             profile.until_probe = _NEXT_TURN

@@ -67,8 +67,7 @@ class MaskBuffer:
         """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
         (rows or 1, n, n) mask values say what each of them sees of the others."""
         rows, _, n = columns.shape
-        self._open_pending()
-        self._by_row[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
+        self._rows()[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
 
     def view(self, tokens: int) -> torch.Tensor:
         """The (rows, 1, tokens, capacity) mask of a forward feeding ``tokens`` tokens."""
@@ -78,9 +77,8 @@ class MaskBuffer:
         """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
         later query of row ``r``; the rest are blocked."""
         n, queries = columns.shape[2], self.query_rows
-        self._open_pending()
         values = self.values(self._offsets(n) < kept.view(-1, 1, 1))
-        self._by_row.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
+        self._rows().scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
@@ -109,7 +107,14 @@ class MaskBuffer:
         self._open_pending()
         self._opening = (column, column + 1)
 
+    def _rows(self) -> torch.Tensor:
+        """The buffer's (rows, query_rows, capacity) view to write through, every column opened
+        so far included."""
+        self._open_pending()
+        return self._by_row
+
     def _open_pending(self) -> None:
+        """Write the columns ``open_column`` recorded, in one slice."""
         if self._opening is not None:
             start, end = self._opening
             self._opening = None
