@@ -395,34 +395,6 @@ def test_plain_autoregression_reads_the_columns_in_use_whatever_the_sessions_cap
     assert all(torch.equal(result.codes, eager_ar) for result in results)
 
 
-@pytest.mark.parametrize("network, batch", [("eager", 1), ("eager", 3), ("inductor", 1)])
-def test_an_eager_window_reads_the_columns_in_use_and_a_compiled_one_the_whole_capacity(
-        model, monkeypatch, network, batch):
-    """Eager, a window's forward attends over the columns in use, to the end of the longest
-    row's fed tokens, so its cost grows along the image as AR's does and the CPU pays for no
-    stale column; compiled, its shapes must not depend on how much is cached, so it attends
-    over the whole capacity. The codes are the same either way."""
-    attended = []
-    attention = slot_session.SlotSession._attention
-
-    def spied(session, tokens, longest, in_step):
-        mask = attention(session, tokens, longest, in_step)
-        if 1 < tokens and session.layout.slots > 0 and longest > int(session.layout.prefix.max()):
-            attended.append((mask.shape[-1], longest + tokens, session.store.capacity))
-        return mask
-
-    monkeypatch.setattr(slot_session.SlotSession, "_attention", spied)
-    result = run(model, replace(MODES["sjd"], compile=network != "eager"), batch)
-    assert len(attended) > 5
-    if network == "eager":
-        assert all(length == in_use for length, in_use, _ in attended)
-        assert min(length for length, _, capacity in attended) < attended[0][2]
-    else:
-        assert all(length == capacity for length, _, capacity in attended)
-    monkeypatch.setattr(slot_session.SlotSession, "_attention", attention)
-    assert torch.equal(result.codes, run(model, MODES["sjd"], batch).codes)
-
-
 def test_until_the_cache_is_settled_the_network_runs_eagerly(replayed_graphs, monkeypatch):
     """After an empty prefill the first forward allocates the cache and the next joins it: a
     graph recorded or compiled then would hold a path the later forwards do not take."""

@@ -147,11 +147,13 @@ class _Profile:
         self.stopped = np.zeros(self.window)
 
     def start_image(self) -> None:
-        """Eager forwards, and compiled AR's, attend over the columns in use, so their cost grows
-        along an image: a generation starts from each shape's fastest time, that of an image's
-        first steps, not from its last ones, measured at the end of the image before."""
-        self.seconds.update(self.fastest)
-        self.recent.clear()
+        """AR's step attends over the columns in use, so its cost grows along an image (a
+        window's, over the cache's full capacity, does not): a generation starts from AR's
+        fastest time, that of an image's first steps, not from its last ones, measured at the
+        end of the image before."""
+        if 1 in self.fastest:
+            self.seconds[1] = self.fastest[1]
+            self.recent[1].clear()
 
     def time(self, nodes: int, seconds: float) -> None:
         recent = self.recent.setdefault(nodes, deque(maxlen=_RECENT_TIMES))
@@ -250,10 +252,9 @@ class AutoPlan:
       new graph), and one that fed fewer rows than the batch has. A shape's seconds are the
       median of its last nine times; its fastest time is kept too. Times are booked as they are read while
       learning (a run's charge counts against the budget at once), and otherwise when the rates
-      are estimated again: every 32 iterations and right after a learning run. Eager forwards
-      and compiled AR's attend over the columns in use, so their cost grows along an image:
-      each generation starts from every shape's fastest time, not from the end of the image
-      before.
+      are estimated again: every 32 iterations and right after a learning run. AR's step
+      attends over the columns in use, so its cost grows along an image: each generation
+      starts from AR's fastest time, not from the end of the image before.
     - **Probes.** Every iteration not fed as the best expected shape is learning, and is charged
       its seconds beyond what the best shape would have taken for the codes it committed. A new
       profile opens with AR and the short window (4), 12 iterations each. Then probe turns come, in

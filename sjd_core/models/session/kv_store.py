@@ -14,9 +14,9 @@ Per forward the session says where the new entries go (``plan``: a column per ro
 rows may differ, as a tensor) and how many leading columns the forward attends over; each layer
 then writes its new entries in place with one indexed write (or, where the session knows the
 rows' tokens start at one column, one slice) and attends over those columns of its buffers under
-the mask. Compiled forwards of several tokens attend over every column of the capacity, so that
-the shapes inside the network depend only on the fed shape (rows, tokens), never on how much is
-cached; eager ones over the columns in use (see the session's ``_attention``). ``compact`` moves entries within
+the mask. Most forwards attend over every column of the capacity, so that the shapes inside the
+network depend only on the fed shape (rows, tokens), never on how much is cached (see the
+session's ``_attention``). ``compact`` moves entries within
 rows (keeping an accepted path) and touches only the columns it is given; ``select_rows`` and
 ``reserve`` copy the whole cache once.
 """

@@ -19,10 +19,9 @@ Static shapes: compiled (``compile_network``), inside the network every tensor's
 only on the fed shape (rows, tokens): forwards attend through the mask buffer read at the
 cache's full capacity (columns past a row's cached length are blocked there), plain
 autoregression under inductor excepted (it reads the columns in use, their number symbolic in
-one graph), and new entries go to the cache through index tensors. Eager forwards pay for none
-of that: they attend over the columns in use only, rows in step write their tokens to the cache
-as one slice, and plain autoregression attends without a mask where no context is padded (see
-``_attention``).
+one graph), and new entries go to the cache through index tensors. Eager forwards attend the
+same way, and rows in step write their tokens to the cache as one slice; plain autoregression
+then attends without a mask where no context is padded (see ``_attention``).
 """
 
 from __future__ import annotations
@@ -403,23 +402,26 @@ class SlotSession(DecodingSession):
         forward attends over, and where the forward writes its tokens as one slice
         (``_first_column``; None: through index tensors).
 
-        Eager, a forward attends over the columns in use only, up to the end of the longest
-        row's fed tokens (the mask blocks, for each row, what it does not hold), and rows in step
-        put their tokens in the same columns, one after another: one slice from ``longest``;
-        plain autoregression in step, where no context is padded, needs no mask at all (the code
-        sees every column). Compiled or captured, writes go through index tensors (shapes that do
-        not depend on where); plain autoregression compiled by inductor attends over the columns
-        in use (the mask's length symbolic: one graph serves the image); every other compiled
-        forward, and every forward of a network captured as CUDA graphs (fixed shapes), attends
-        through the mask at the cache's full capacity, so that its shapes do not depend on how
-        much is cached."""
+        Eager, rows in step put their tokens in the same columns, one after another: one slice
+        from ``longest``. Compiled or captured, writes go through index tensors (shapes that do
+        not depend on where). Plain autoregression (one token per row) attends over the columns
+        in use only, up to the longest row's (the mask blocks, for each row, what it does not
+        hold): eager, where the rows are in step and no context is padded, with no mask (the
+        code sees every column); compiled by inductor, the mask's length says how many columns
+        (one graph with that length symbolic serves the image). Every other forward, and every
+        forward of a network captured as CUDA graphs (fixed shapes), attends through the mask
+        at the cache's full capacity, so that its shapes do not depend on how much is cached
+        and its cost does not change along the image (``auto`` compares times of its shapes
+        measured at different points of the image; plain autoregression, whose cost grows, it
+        times again and again; so a session made for ``auto``'s largest shape, with more
+        capacity, costs an AR step no more than one made for AR alone)."""
         eager = not isinstance(self._network, (CompiledNetwork, CapturedNetwork))
         self._first_column = longest if eager and in_step else None
-        if self._first_column is not None and tokens == 1 and not self._padded:
+        if tokens > 1 or isinstance(self._network, CapturedNetwork):
+            return self.mask.view(tokens)
+        if self._first_column is not None and not self._padded:
             return None
-        if eager or (tokens == 1 and not isinstance(self._network, CapturedNetwork)):
-            return self.mask.view(tokens)[..., :longest + tokens]
-        return self.mask.view(tokens)
+        return self.mask.view(1)[..., :longest + 1]
 
     def _sequence_counts(self, committed: np.ndarray) -> np.ndarray:
         """The committed counts (B,) per cached sequence: the cond rows, then as many uncond."""
