@@ -122,6 +122,30 @@ def test_compiled_stages_draw_the_eager_codes(model, mode, batch):
     assert again.trace.meta["compile_stages"]["failure"] is None
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("unchecked_draws")  # a compiled stage cannot read its weights back
+def test_a_window_cut_shorter_runs_the_graph_its_shape_compiled(model, monkeypatch):
+    """``auto`` feeding a shorter window after a longer one cuts the window state: the stages of
+    the shorter shape must run the graph they compiled from a fresh state, not compile again
+    for a cut view's strides (an unannounced compile, seconds on a CPU, that ``auto`` and
+    ``gpu_check`` would time as the shape's cost)."""
+    window = {n: DraftTree.build(n, (), torch.device("cpu")) for n in (8, 16)}
+    settings = replace(MODES["sjd"], compile_stages=True)
+
+    def feeding(trees: list) -> None:
+        monkeypatch.setattr(engine, "make_plan", lambda *args: _Replay("sjd", trees))
+
+    feeding([window[8]] * 2 + [window[16]] * 40)  # each shape's graphs, from a fresh state
+    first = run(model, settings)
+    feeding([window[8]] * 2 + [window[16]] * 2 + [window[8]] * 40)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = run(model, settings)
+    assert first.trace.meta["compile_stages"]["failure"] is None
+    assert again.trace.meta["compile_stages"]["failure"] is None
+    feeding([window[8]] * 2 + [window[16]] * 2 + [window[8]] * 40)
+    assert torch.equal(again.codes, run(model, MODES["sjd"]).codes)
+
+
 def test_a_stage_compile_failure_falls_back_to_eager_with_one_warning(model, monkeypatch):
     def no_compiler(function, **options):
         assert options == {"fullgraph": True, "mode": None}

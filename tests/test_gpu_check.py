@@ -1,7 +1,9 @@
 """The GPU check runs end to end at toy size on the CPU and its table holds what it claims."""
 
 import json
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,6 +155,43 @@ def test_the_draw_check_fails_stages_fed_other_logits():
     assert not verdict["passed"]
     assert "FAIL" in draw_check.describe({**verdict, "draws": 8192, "slots": [4, 5], "vocab": 8,
                                           "stages": report, "seconds": 1.0})
+
+
+def test_an_iteration_that_compiles_after_the_warm_up_starts_the_measured_stretches_again():
+    """A shape's first call past the warm-up (``auto`` feeding a new shape) can compile or
+    record a graph, for seconds on a CPU: that iteration is no shape's cost. The stretches
+    start again after it, as long as before."""
+    originals = {name: torch.Tensor.__dict__.get(name) for name in gpu_check.ReadWait.METHODS}
+    stretches = gpu_check._Stretches(torch.device("cpu"), 2, (3, 1, 1))
+    codes = torch.zeros(1, 64, dtype=torch.long)
+
+    def report(done: int, compiling: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(iteration=done, committed=[2 * done], compiling=compiling,
+                               codes=codes)
+
+    stretches.step(report(1))
+    stretches.step(report(2))  # the warm-up is over: the timed stretch starts
+    stretches.step(report(2, compiling=True))  # the third iteration compiles
+    time.sleep(0.3)
+    stretches.step(report(3))
+    assert stretches.restarts == 1 and stretches.marks == (3, 6, 7, 8)
+    with pytest.raises(gpu_check._Stop):
+        for done in range(4, 9):
+            stretches.step(report(done))
+    seen = stretches.seen
+    assert seen["ended"] - seen["began"] < 0.2
+    assert seen["committed_end"] - seen["committed"] == 6 and seen["codes"].shape == (1, 16)
+    stretches.leave()  # as run_mode does when the run ends
+    assert {name: torch.Tensor.__dict__.get(name) for name in gpu_check.ReadWait.METHODS} == \
+        originals  # the read counters are gone
+    row = gpu_check._run_rows({"mode": "auto", "compiled": True, "stages": True, "network": None,
+                               "stage_graphs": None, "ms_per_iteration": 1.0,
+                               "host_ms_per_iteration": 1.0, "busy_ms_per_iteration": None,
+                               "codes_per_iteration": 2.0, "reads_per_iteration": 1.0,
+                               "blocking_copies_per_iteration": 0.0, "warmup_seconds": 1.0,
+                               "restarts": stretches.restarts})
+    assert row[-1] == ("|  | measured after 1 iteration that compiled past the warm-up (each "
+                       "started the measured stretches again) |")
 
 
 def test_the_counters_see_reads_and_blocking_copies():

@@ -240,10 +240,15 @@ class WindowState:
 
     def resized(self, window: int) -> "WindowState":
         """The state for a window of ``window`` offsets: offsets past it are dropped (their
-        drafts forgotten); offsets added at the end have no draft yet."""
+        drafts forgotten); offsets added at the end have no draft yet. Either way new tensors,
+        laid out as a fresh state's, strides included (``contiguous`` keeps a cut view's for a
+        batch of one): a compiled stage is specialised to its arguments' strides, and a cut
+        view's would make torch compile its shape again."""
         have = self.tokens.shape[1]
         if window <= have:
-            return WindowState(*(None if x is None else x[:, :window] for x in self.parts()))
+            return WindowState(*(None if x is None else
+                                 x[:, :window].clone(memory_format=torch.contiguous_format)
+                                 for x in self.parts()))
         batch, _, vocab = self.q.shape
         added = WindowState.empty(batch, window - have, vocab, self.q.device,
                                   self.vp_history is not None)

@@ -68,6 +68,7 @@ from ..decoding import engine
 from ..decoding.engine import generate
 from ..decoding.planner import LEARNING_ITERATIONS
 from ..decoding.settings import AccelerationSettings, SamplingSettings
+from ..messages import plural
 from ..models.chameleon import (LUMINA, ChameleonImageModel, TokenLayout, lumina_resolutions,
                                 synthetic_vocabulary)
 from ..models.protocol import GenerationRequest
@@ -297,62 +298,92 @@ def run_name(run: dict) -> str:
                                 "compiled" if run["compiled"] else "eager")
 
 
+class _Stretches:
+    """The stretches of a run that :func:`run_mode` measures, by iterations done: warm-up, then
+    ``iterations`` timed, ``counted`` ones under :class:`HostReads` (it slows every operation, so
+    it stays out of the timed stretch), then ``profiled`` ones under the profiler. An iteration
+    that may compile after the warm-up (a shape's first call, which the ``compiling`` report
+    announces) starts every stretch again after it: its seconds are compiling's, no shape's."""
+
+    def __init__(self, device: torch.device, warmup: int, lengths: tuple[int, int, int]) -> None:
+        self.device, self.lengths, self.restarts = device, lengths, 0
+        self.started = time.perf_counter()
+        self._begin_after(warmup)
+
+    def _begin_after(self, done: int) -> None:
+        timed, counted, profiled = self.lengths
+        self.marks = (done, done + timed, done + timed + counted, done + timed + counted + profiled)
+        self.reads, self.waits, self.busy = HostReads(), ReadWait(), _Busy(self.device)
+        self.seen: dict = {}
+
+    def step(self, report) -> None:
+        if report.compiling:
+            if report.iteration >= self.marks[0]:
+                self.leave()
+                self.restarts += 1
+                self._begin_after(report.iteration + 1)
+            return
+        marks, seen = self.marks, self.seen
+        if report.iteration == marks[0]:
+            synchronize(self.device)
+            seen.update(committed=report.committed[0], began=time.perf_counter(),
+                        warmup_seconds=time.perf_counter() - self.started)
+            self.waits.__enter__()
+        elif report.iteration == marks[1]:
+            self.waits.__exit__()
+            seen.update(ended=time.perf_counter(), committed_end=report.committed[0])
+            self.reads.__enter__()
+            seen["counting"] = True
+        elif report.iteration == marks[2]:
+            self.leave()
+            synchronize(self.device)
+            self.busy.start()
+            seen["profiling"] = True
+        elif report.iteration == marks[3]:
+            synchronize(self.device)
+            seen["busy_seconds"], seen["profiling"] = self.busy.stop(), False
+            seen["codes"] = report.codes[:, :min(report.committed)].cpu()
+            raise _Stop
+
+    def leave(self) -> None:
+        """Undo what a stretch under way put in place (the read counters, the profiler)."""
+        self.waits.__exit__()
+        if self.seen.pop("counting", False):
+            self.reads.__exit__(None, None, None)
+        if self.seen.pop("profiling", False):
+            self.busy.stop()
+
+
 def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
              iterations: int, counted: int, profiled: int, stages: bool = False) -> dict:
-    """``preset`` (guided, 768 px), eager or compiled (``stages``: its stages too): after
-    ``warmup`` iterations (compiling happens there; for ``auto`` also the iterations in which a
-    new profile learns, so that what is measured is what it settles on), ``iterations`` timed ones (wall-clock, and the host's time outside waiting in
-    reads), ``counted`` ones under :class:`HostReads` (reads and blocking copies: the mode slows
-    every operation, so it stays out of the timed stretch), then ``profiled`` ones under the
-    profiler (device busy time)."""
-    reads, waits, busy, seen = HostReads(), ReadWait(), _Busy(model.device), {}
-    device = model.device
+    """``preset`` (guided, 768 px), eager or compiled (``stages``: its stages too), measured in
+    the stretches of :class:`_Stretches`: after ``warmup`` iterations (compiling happens there;
+    for ``auto`` also the iterations in which a new profile learns, so that what is measured is
+    what it settles on), ``iterations`` timed ones (wall-clock, and the host's time outside
+    waiting in reads), ``counted`` ones (reads and blocking copies), ``profiled`` ones (device
+    busy time)."""
     settings = replace(AccelerationSettings.preset(preset), compile=compiled,
                        compile_stages=stages)
     warmup += LEARNING_ITERATIONS if settings.adaptive_shape else 0
-    marks = (warmup, warmup + iterations, warmup + iterations + counted,
-             warmup + iterations + counted + profiled)
-
-    def step(report) -> None:
-        if report.iteration == marks[0]:
-            synchronize(device)
-            seen.update(committed=report.committed[0], began=time.perf_counter(),
-                        warmup_seconds=time.perf_counter() - seen["started"])
-            waits.__enter__()
-        elif report.iteration == marks[1]:
-            waits.__exit__()
-            seen.update(ended=time.perf_counter(), committed_end=report.committed[0])
-            reads.__enter__()
-            seen["counting"] = True
-        elif report.iteration == marks[2]:
-            reads.__exit__(None, None, None)
-            seen["counting"] = False
-            synchronize(device)
-            busy.start()
-        elif report.iteration == marks[3]:
-            synchronize(device)
-            seen["busy_seconds"] = busy.stop()
-            done = min(report.committed)
-            seen["codes"] = report.codes[:, :done].cpu()
-            raise _Stop
-
+    stretches = _Stretches(model.device, warmup, (iterations, counted, profiled))
     request = GenerationRequest(prompt=PROMPT, resolution=RESOLUTION)
-    seen["started"] = time.perf_counter()
     try:
         with _Compiling() as compiling:
-            generate(model, request, SAMPLING, settings, seed=0, on_iteration=step)
+            generate(model, request, SAMPLING, settings, seed=0, on_iteration=stretches.step)
     except _Stop:
         pass
     finally:
-        waits.__exit__()
-        if seen.get("counting"):
-            reads.__exit__(None, None, None)
+        stretches.leave()
+    seen, reads = stretches.seen, stretches.reads
+    if "busy_seconds" not in seen:
+        raise RuntimeError(f"the image ended before {iterations} iterations in a row ran without "
+                           f"compiling ({stretches.restarts} restarts)")
     wall = seen["ended"] - seen["began"]
     busy_seconds = seen["busy_seconds"]
     return {"mode": preset, "compiled": compiled, "stages": stages, "iterations": iterations,
-            "warmup_seconds": seen["warmup_seconds"],
+            "warmup_seconds": seen["warmup_seconds"], "restarts": stretches.restarts,
             "ms_per_iteration": 1e3 * wall / iterations,
-            "host_ms_per_iteration": 1e3 * (wall - waits.seconds) / iterations,
+            "host_ms_per_iteration": 1e3 * (wall - stretches.waits.seconds) / iterations,
             "busy_ms_per_iteration": None if busy_seconds is None
             else 1e3 * busy_seconds / profiled,
             "codes_per_iteration": (seen["committed_end"] - seen["committed"]) / iterations,
@@ -587,6 +618,9 @@ def _run_rows(r: dict) -> list[str]:
             f"{r['warmup_seconds']:.1f} | {graphs} | {same} |"]
     rows += [f"|  | warning: {failure} |"
              for failure in (network.get("failure"), stage_graphs.get("failure")) if failure]
+    if r.get("restarts"):
+        rows.append(f"|  | measured after {plural(r['restarts'], 'iteration')} that compiled "
+                    "past the warm-up (each started the measured stretches again) |")
     return rows
 
 
