@@ -377,7 +377,7 @@ def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: in
     seen, reads = stretches.seen, stretches.reads
     if "busy_seconds" not in seen:
         raise RuntimeError(f"the image ended before {iterations} iterations in a row ran without "
-                           f"compiling ({stretches.restarts} restarts)")
+                           f"compiling ({plural(stretches.restarts, 'restart')})")
     wall = seen["ended"] - seen["began"]
     busy_seconds = seen["busy_seconds"]
     return {"mode": preset, "compiled": compiled, "stages": stages, "iterations": iterations,
