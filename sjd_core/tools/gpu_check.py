@@ -314,6 +314,7 @@ class _Stretches:
         timed, counted, profiled = self.lengths
         self.marks = (done, done + timed, done + timed + counted, done + timed + counted + profiled)
         self.reads, self.waits, self.busy = HostReads(), ReadWait(), _Busy(self.device)
+        self.counting = self.profiling = False  # the read counters, the profiler under way
         self.seen: dict = {}
 
     def step(self, report) -> None:
@@ -333,25 +334,26 @@ class _Stretches:
             self.waits.__exit__()
             seen.update(ended=time.perf_counter(), committed_end=report.committed[0])
             self.reads.__enter__()
-            seen["counting"] = True
+            self.counting = True
         elif report.iteration == marks[2]:
             self.leave()
             synchronize(self.device)
             self.busy.start()
-            seen["profiling"] = True
+            self.profiling = True
         elif report.iteration == marks[3]:
             synchronize(self.device)
-            seen["busy_seconds"], seen["profiling"] = self.busy.stop(), False
+            seen["busy_seconds"], self.profiling = self.busy.stop(), False
             seen["codes"] = report.codes[:, :min(report.committed)].cpu()
             raise _Stop
 
     def leave(self) -> None:
         """Undo what a stretch under way put in place (the read counters, the profiler)."""
         self.waits.__exit__()
-        if self.seen.pop("counting", False):
+        if self.counting:
             self.reads.__exit__(None, None, None)
-        if self.seen.pop("profiling", False):
+        if self.profiling:
             self.busy.stop()
+        self.counting = self.profiling = False
 
 
 def run_mode(model: ChameleonImageModel, preset: str, compiled: bool, warmup: int,
