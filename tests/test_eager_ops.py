@@ -15,12 +15,15 @@ def _event(name: str, parent=None) -> SimpleNamespace:
     return SimpleNamespace(name=name, cpu_parent=parent)
 
 
-def test_only_operations_no_compiled_region_or_other_operation_encloses_count():
-    region = _event(eager_ops.COMPILED_REGION + ": 0/1")
-    outer = _event("aten::linear")
+def test_only_operations_of_an_iteration_that_no_compiled_region_or_other_operation_encloses_count():
+    iteration = _event(eager_ops.ITERATION)
+    region = _event(eager_ops.COMPILED_REGION + ": 0/1", iteration)
+    outer = _event("aten::linear", iteration)
     events = [outer, _event("aten::mm", outer), region, _event("aten::mm", region),
-              _event("aten::add", _event("python call", region)), _event("aten::add"),
-              _event("python call"), _event("aten::mul", _event("python call"))]
+              _event("aten::add", _event("python call", region)), _event("aten::add", iteration),
+              _event("python call", iteration),
+              _event("aten::mul", _event("python call", iteration)),
+              _event("aten::zeros"), _event("aten::ones", _event("python call"))]  # outside
     assert eager_ops.outside_compiled(events) == Counter({"aten::linear": 1, "aten::add": 1,
                                                           "aten::mul": 1})
 
@@ -34,14 +37,15 @@ def test_the_command_refuses_an_unknown_mode(capsys):
 @pytest.mark.slow
 def test_an_eager_operation_planted_in_every_step_counts_once_per_iteration(monkeypatch):
     """Compiled AR on the small model: a planted operation per step adds exactly one per
-    iteration, and the network's own operations (compiled) are not counted."""
+    iteration, and the network's own operations (compiled) are not counted. The first of the
+    36 iterations is not counted (its span would start with the prefill)."""
     before = eager_ops.count_mode("ar")
     step = engine._Decoder.autoregressive_step
     monkeypatch.setattr(engine._Decoder, "autoregressive_step",
                         lambda decoder: torch.zeros(1).add_(1) is not None and step(decoder))
     after = eager_ops.count_mode("ar")
-    assert after.iterations == before.iterations == 36
+    assert after.iterations == before.iterations == 35
     assert after.per_iteration == pytest.approx(before.per_iteration + 2)  # zeros, add_
-    assert after.by_operation["aten::zeros"] - before.by_operation["aten::zeros"] == 36
+    assert after.by_operation["aten::zeros"] - before.by_operation["aten::zeros"] == 35
     # the codebook head's one linear per step; the network's four per step are compiled
     assert before.by_operation["aten::linear"] < 2 * before.iterations

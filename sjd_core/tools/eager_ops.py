@@ -11,7 +11,9 @@ a GPU's host time follows, and this CPU can count them::
 Each mode runs on the engine tests' small synthetic model with ``compile`` and (but plain
 autoregression, which has none) ``compile_stages`` on: a few generations compile, then one runs
 under torch's profiler, which records every aten operation the host dispatches and every
-compiled region (torch names them "Torch-Compiled Region"). An operation counts when no compiled
+compiled region (torch names them "Torch-Compiled Region"). An operation counts when it runs
+inside one iteration of the decoding loop (from one progress report to the next: the first
+iteration and what a generation does once, such as the prefill, are left out) and no compiled
 region and no other aten operation encloses it (an operation called by another is the caller's
 work).
 """
@@ -23,10 +25,13 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from torch.profiler import record_function
+
 from .cli import set_threads
 
 MODES = ("ar", "sjd", "pac+vp", "auto")
 COMPILED_REGION = "Torch-Compiled Region"  # the profiler's name for a compiled region's run
+ITERATION = "sjd: one iteration"  # the span this tool marks around each counted iteration
 
 
 @dataclass
@@ -43,18 +48,19 @@ class EagerOps:
         return sum(self.by_operation.values()) / self.iterations
 
 
-def outside_compiled(events) -> Counter:
-    """The aten operations among the profiler's ``events`` that no compiled region and no other
-    aten operation encloses, counted by name."""
+def outside_compiled(events, within: str = ITERATION) -> Counter:
+    """The aten operations among the profiler's ``events`` that a span named ``within``
+    encloses and no compiled region and no other aten operation does, counted by name."""
     def counted(event) -> bool:
         if not event.name.startswith("aten::"):
             return False
-        parent = event.cpu_parent
+        parent, inside = event.cpu_parent, False
         while parent is not None:
             if parent.name.startswith("aten::") or parent.name.startswith(COMPILED_REGION):
                 return False
+            inside |= parent.name == within
             parent = parent.cpu_parent
-        return True
+        return inside
 
     return Counter(event.name for event in events if counted(event))
 
@@ -77,9 +83,31 @@ def count_mode(mode: str, warm_runs: int = 2) -> EagerOps:
     request, sampling = GenerationRequest(prompt="a red fox"), SamplingSettings(guidance=2.0)
     for seed in range(warm_runs):
         generate(model, request, sampling, settings, seed=seed)
+    spans = IterationSpans()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        result = generate(model, request, sampling, settings, seed=warm_runs)
-    return EagerOps(mode, int(result.trace.summary()["nfe"]), outside_compiled(profiler.events()))
+        generate(model, request, sampling, settings, seed=warm_runs, on_iteration=spans.mark)
+    return EagerOps(mode, spans.count, outside_compiled(profiler.events()))
+
+
+class IterationSpans:
+    """Marks each iteration of a generation but the first as a profiler span named
+    ``ITERATION``: from one progress report (``mark``, the engine's ``on_iteration``) to the
+    next, which is the loop's whole body, from choosing the shape to dropping finished rows."""
+
+    def __init__(self) -> None:
+        self.open: record_function | None = None
+        self.count = 0
+
+    def mark(self, report) -> None:
+        if report.compiling:  # a note sent before an iteration, not the end of one
+            return
+        if self.open is not None:
+            self.open.__exit__(None, None, None)
+            self.count += 1
+        finished = all(done >= report.total for done in report.committed)
+        self.open = None if finished else record_function(ITERATION)
+        if self.open is not None:
+            self.open.__enter__()
 
 
 def format_counts(counts: list[EagerOps], top: int) -> str:
