@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-# A draw from weights that are all 0 raises in every test (and in the servers tests start),
-# instead of silently giving code 0 (``sjd_core.decoding.sampling.CHECK_DRAWS``).
-os.environ["SJD_CHECK_DRAWS"] = "1"
+# The checks that read the device back run in every test (and in the servers tests start): a
+# draw from weights that are all 0 raises instead of silently giving code 0, and a forward that
+# does not continue a session's cache is refused (``sjd_core.checks``).
+os.environ["SJD_DEVICE_CHECKS"] = "1"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -40,9 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def unchecked_draws(monkeypatch):
-    """Draws without the all-zero check, for tests that count reads from the device or
-    operations (the check is one of each)."""
-    from sjd_core.decoding import sampling
+def without_device_checks(monkeypatch):
+    """Decoding without the device checks, for tests that count reads from the device or
+    operations (each check is some of both)."""
+    from sjd_core import checks
 
-    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)
+    monkeypatch.setattr(checks, "DEVICE_CHECKS", False)

@@ -102,7 +102,7 @@ def test_compiled_codes_equal_eager(model, mode, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("unchecked_draws")  # a compiled stage cannot read its weights back
+@pytest.mark.usefixtures("without_device_checks")  # a compiled stage cannot read its weights back
 @pytest.mark.parametrize("mode, batch", [("pac+vp", 3), ("above_target+ac", 1)])
 def test_compiled_stages_draw_the_eager_codes(model, mode, batch):
     """Draft, and verify, commit and advance together, compiled whole (with the network
@@ -123,7 +123,7 @@ def test_compiled_stages_draw_the_eager_codes(model, mode, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("unchecked_draws")  # a compiled stage cannot read its weights back
+@pytest.mark.usefixtures("without_device_checks")  # a compiled stage cannot read its weights back
 def test_a_window_cut_shorter_runs_the_graph_its_shape_compiled(model, monkeypatch):
     """``auto`` feeding a shorter window after a longer one cuts the window state: the stages of
     the shorter shape must run the graph they compiled from a fresh state, not compile again

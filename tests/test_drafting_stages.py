@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sjd_core.decoding import sampling
+from sjd_core import checks
 from sjd_core.decoding.drafting import (ABOVE_INIT, ABOVE_TARGET_INIT, LEFT_INIT, UNIFORM_INIT,
                                         Canvas, WindowState, initial_drafts,
                                         predict_verification)
@@ -23,7 +23,7 @@ VP = AccelerationSettings(verification_prediction=True, vp_rises=1, vp_top_k=3)
 @pytest.fixture(autouse=True)
 def traceable_draws(monkeypatch):
     """Draws without the all-zero check: it reads the device, which no traced graph may do."""
-    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)
+    monkeypatch.setattr(checks, "DEVICE_CHECKS", False)
 
 
 def _state_and_canvas(seed: int, committed: list[int], window: int

@@ -272,10 +272,10 @@ def test_lossless_modes_sample_the_model_distribution(model, joint, mode):
 
 @pytest.fixture(autouse=True)
 def draws_unchecked_where_stages_compile(request, monkeypatch):
-    """A compiled stage cannot read its weights back to check them (``CHECK_DRAWS``)."""
+    """A compiled stage cannot read its weights back to check them (:mod:`sjd_core.checks`)."""
     mode = getattr(request.node, "callspec", None) and request.node.callspec.params.get("mode")
     if mode in MODES and MODES[mode].settings.get("compile_stages"):
-        monkeypatch.setattr("sjd_core.decoding.sampling.CHECK_DRAWS", False)
+        monkeypatch.setattr("sjd_core.checks.DEVICE_CHECKS", False)
 
 
 @pytest.mark.slow

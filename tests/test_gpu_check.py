@@ -13,7 +13,7 @@ from sjd_core.tools import bandwidth_floor, draw_check, gpu_check
 
 torch.set_num_threads(1)
 # the all-zero check of every draw is a read and four operations: off here
-pytestmark = pytest.mark.usefixtures("unchecked_draws")
+pytestmark = pytest.mark.usefixtures("without_device_checks")
 
 
 @pytest.mark.slow

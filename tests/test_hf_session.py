@@ -391,7 +391,7 @@ def test_forward_of_more_nodes_than_max_nodes_enlarges_the_cache(llama):
 
 
 @torch.no_grad()
-def test_steady_state_waits_for_nothing(llama):
+def test_steady_state_waits_for_nothing(llama, without_device_checks):
     """After the first forward of a tree, forward + keep read nothing from the device and copy
     nothing from the host that the host waits for (the CPU counted as the device, the inputs
     made on it, as the engine makes them)."""

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sjd_core.decoding import engine, sampling, stages
+from sjd_core import checks
+from sjd_core.decoding import engine, stages
 from sjd_core.decoding.engine import generate
 from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.models.protocol import GenerationRequest
@@ -66,7 +67,7 @@ def model() -> SyntheticModel:
 @pytest.mark.parametrize("name", ["draft", "verify", "commit", "advance", "conclude"])
 def test_each_stage_traces_as_one_graph_and_gives_the_engines_result(model, mode, name,
                                                                      monkeypatch):
-    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)  # its check reads the weights back
+    monkeypatch.setattr(checks, "DEVICE_CHECKS", False)  # its check reads the weights back
     stage, kept = getattr(stages, name), {}
 
     def keeping(*args, **kwargs):

@@ -38,7 +38,7 @@ from sjd_core.tools.host_reads import HostReads
 from sjd_core.transfer import host_to_device, to_device
 
 # the all-zero check of every draw is a read: off here
-pytestmark = pytest.mark.usefixtures("unchecked_draws")
+pytestmark = pytest.mark.usefixtures("without_device_checks")
 
 # the most (values read back, blocking copies from the host) per iteration, by kind of step
 MOST_PER_ITERATION = {"AR": (0, 0), "speculative": (1, 0)}

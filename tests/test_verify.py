@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from exactness import goodness_of_fit
+from sjd_core import checks
 from sjd_core.decoding import sampling, verify
 from sjd_core.decoding.drafting import DraftTree, WindowState, add_candidates
 from sjd_core.decoding.sampling import exponential, process, sample
@@ -195,8 +196,8 @@ def test_an_empty_residual_draws_from_the_node_s_target_never_code_0():
     uniforms of 1: every candidate is rejected, and what the rejections leave is 0 everywhere.
     The slot is drawn from ``p`` (the fallback), never code 0 (which ``p`` gives probability
     0), on a chain and at a PD node, and no draw is made from weights that are all 0
-    (``CHECK_DRAWS`` is on in the tests)."""
-    assert sampling.CHECK_DRAWS
+    (the device checks are on in the tests)."""
+    assert checks.DEVICE_CHECKS
     q = torch.tensor([0.0, 0.5, 0.25, 0.25])
     p = q * (1 - 2.0 ** -20)
     samples = 4000
@@ -215,7 +216,7 @@ def test_an_empty_residual_draws_from_the_node_s_target_never_code_0():
 
 
 def test_a_draw_from_weights_that_are_all_0_is_an_error_in_tests():
-    assert sampling.CHECK_DRAWS
+    assert checks.DEVICE_CHECKS
     with pytest.raises(sampling.EmptyDistributionError):
         sample(torch.tensor([[0.2, 0.8], [0.0, 0.0]]), torch.tensor([0.5, 0.5]))
     assert sample(torch.tensor([[0.2, 0.8], [0.0, 3.0]]), torch.tensor([0.5, 0.5])).tolist() == [1, 1]
@@ -259,7 +260,7 @@ def test_half_precision_logits_over_16384_codes_stay_exact(dtype, candidates):
 def test_verification_traces_as_one_graph(settings, monkeypatch):
     """The verifier is one stage of the iteration's device step: no value read back, no branch
     on one, no write into a view (``fullgraph=True`` fails on any of them)."""
-    monkeypatch.setattr(sampling, "CHECK_DRAWS", False)  # its check reads the weights back
+    monkeypatch.setattr(checks, "DEVICE_CHECKS", False)  # its check reads the weights back
     tree, *tensors = _case(4, settings, batch=8)
     rule = ExactAcceptance()
 

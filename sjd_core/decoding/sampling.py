@@ -9,13 +9,13 @@ meaning. Draws invert a CDF at a uniform, and candidates without replacement use
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .. import checks
 from .settings import SamplingSettings
 
 MIN_MASS = 1e-12  # below this a distribution's mass counts as empty (see ``normalise``)
@@ -129,10 +129,8 @@ def residual(p: torch.Tensor, q: torch.Tensor, where: torch.Tensor | None = None
 
 
 class EmptyDistributionError(RuntimeError):
-    """A draw was asked of weights that are all 0 (only raised under ``CHECK_DRAWS``)."""
-
-
-CHECK_DRAWS = os.environ.get("SJD_CHECK_DRAWS") == "1"  # the tests turn this on
+    """A draw was asked of weights that are all 0 (only raised under the tests' device checks,
+    :mod:`sjd_core.checks`)."""
 
 
 def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -141,11 +139,11 @@ def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     The smallest index whose cumulative mass reaches ``u`` times the total, so a code of
     probability 0 is never drawn, and the weights need not be normalised. ``u`` has the
     distributions' leading shape. Every caller passes weights with mass (an empty residual
-    falls back to its target first); with ``CHECK_DRAWS`` on, weights that are all 0 raise
-    :class:`EmptyDistributionError` (a read from the device, so only in tests) instead of giving
-    code 0.
+    falls back to its target first); with the device checks on (:mod:`sjd_core.checks`), weights
+    that are all 0 raise :class:`EmptyDistributionError` (a read from the device, so only in
+    tests) instead of giving code 0.
     """
-    if CHECK_DRAWS and not bool((dist > 0).any(-1).all()):
+    if checks.DEVICE_CHECKS and not bool((dist > 0).any(-1).all()):
         raise EmptyDistributionError("a draw from weights that are all 0 "
                                      f"(shape {tuple(dist.shape)})")
     cdf = dist.cumsum(-1)
