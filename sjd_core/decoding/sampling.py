@@ -214,16 +214,56 @@ class RowRandom:
         self.buffer = self.buffer[index]
 
 
-@dataclass
+@dataclass(frozen=True)
 class IterationUniforms:
-    """The uniforms of one speculative iteration, by purpose, from each row's own stream."""
+    """The uniforms of one speculative iteration, by purpose, from each row's own stream.
 
-    tests: torch.Tensor  # (B, T, K) one per candidate test, by parent node and rank
-    final: torch.Tensor  # (B,) the draw of the slot after the accepted path
-    keep: torch.Tensor  # (B, W) AC's tests of whether a slot keeps its old draft
-    draw: torch.Tensor  # (B, W) the redrafts' draws
-    init: torch.Tensor  # (B, W) the init rule's draws
-    race: torch.Tensor  # (B, levels, V) the PD candidates' race (see :func:`exponential`)
+    Kept as one block (B, n), each purpose a slice of it made where a stage reads it: inside a
+    compiled stage, the slicing is part of its graph instead of operations the host dispatches
+    before the call.
+    """
+
+    block: torch.Tensor  # (B, n) every purpose's numbers, one after another
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # each purpose's shape per row, in order
+
+    @property
+    def tests(self) -> torch.Tensor:
+        """(B, T, K) one per candidate test, by parent node and rank."""
+        return self._part("tests")
+
+    @property
+    def final(self) -> torch.Tensor:
+        """(B,) the draw of the slot after the accepted path."""
+        return self._part("final")
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """(B, W) AC's tests of whether a slot keeps its old draft."""
+        return self._part("keep")
+
+    @property
+    def draw(self) -> torch.Tensor:
+        """(B, W) the redrafts' draws."""
+        return self._part("draw")
+
+    @property
+    def init(self) -> torch.Tensor:
+        """(B, W) the init rule's draws."""
+        return self._part("init")
+
+    @property
+    def race(self) -> torch.Tensor:
+        """(B, levels, V) the PD candidates' race (see :func:`exponential`)."""
+        return self._part("race")
+
+    def _part(self, purpose: str) -> torch.Tensor:
+        start = 0
+        for name, shape in self.shapes:
+            size = math.prod(shape)
+            if name == purpose:
+                return self.block[:, start:start + size].reshape(self.block.shape[0], *shape)
+            start += size
+        raise KeyError(purpose)
 
     @staticmethod
     def take(random: RowRandom, nodes: int, candidates: int, window: int, levels: int,
@@ -231,15 +271,12 @@ class IterationUniforms:
         """The next numbers of every row's stream, for a tree of ``nodes`` nodes with at most
         ``candidates`` per parent and ``levels`` levels of candidates, in a window of
         ``window`` offsets over ``vocab`` codes. The amount depends only on that shape."""
-        shapes = {"tests": (nodes, candidates), "final": (), "keep": (window,),
-                  "draw": (window,), "init": (window,), "race": (levels, vocab)}
-        sizes = [math.prod(shape) for shape in shapes.values()]
+        shapes = (("tests", (nodes, candidates)), ("final", ()), ("keep", (window,)),
+                  ("draw", (window,)), ("init", (window,)), ("race", (levels, vocab)))
         # a block of its own: a view into the stream's buffer starts wherever the stream has got
         # to, and a compiled stage's graph would depend on that place
-        block = random.uniform(sum(sizes)).clone()
-        parts = block.split(sizes, dim=1)
-        return IterationUniforms(**{name: part.reshape(block.shape[0], *shape)
-                                    for (name, shape), part in zip(shapes.items(), parts)})
+        block = random.uniform(sum(math.prod(shape) for _, shape in shapes)).clone()
+        return IterationUniforms(block, shapes)
 
 
 def exponential(uniforms: torch.Tensor) -> torch.Tensor:
