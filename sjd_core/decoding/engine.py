@@ -32,11 +32,11 @@ from ..compiled import CompiledStages, compile_stages
 from .drafting import Canvas, DraftTree, WindowState
 from .guidance import SlotGuidance
 from .planner import Plan, describe_shape, largest_shape, make_plan
-from .sampling import IterationUniforms, RowRandom, process, sample
+from .sampling import IterationUniforms, RowRandom
 from .settings import AccelerationSettings, SamplingSettings, require
-from .stages import Outcome, conclude, draft
+from .stages import Outcome, autoregressive, conclude, draft
 from .trace import Trace, TraceRecorder
-from .verify import Verdict, acceptance_rule
+from .verify import acceptance_rule
 
 
 @dataclass
@@ -114,18 +114,19 @@ class _Decoder:
 
     # ------------------------------------------------------------------ steps
     def autoregressive_step(self) -> list[int]:
-        """One node per row, its target sampled: plain autoregression."""
-        uniforms = self.random.uniform(1)[:, 0]
+        """One node per row, its target sampled (:func:`.stages.autoregressive`): plain
+        autoregression."""
+        uniforms = self.random.uniform(1)
         cond, uncond = self.session.advance(self.anchor, self.done, self.recorder.clock.mark)
-        target = process(cond, uncond, self.sampling, self.guidance.at(self.committed))
-        token = sample(target, uniforms)
-        flat = self.row_start + self.committed
-        self.codes.index_put_((flat,), token)
+        # a copy where compiled: a view of the stream starts wherever the stream has got to
+        drawn = self._stage_runner((1, ()))(
+            autoregressive, cond, uncond, self.sampling, self.guidance.at(self.committed),
+            uniforms if self.compiled_stages is None else uniforms.clone(), self.committed,
+            self.row_start, self.codes)
         if self.column_targets is not None:
-            self._keep_column_targets(target)
-        self.recorder.committed_slots(self.iteration, flat, target.amax(-1))
-        self.committed += 1
-        self.anchor = token
+            self._keep_column_targets(drawn.target)
+        self.recorder.committed_slots(self.iteration, drawn.written, drawn.peak)
+        self.committed, self.anchor = drawn.committed, drawn.token
         self.state = None
         self.done = [d + 1 for d in self.done]
         self.siblings = (0, 0)
@@ -154,27 +155,27 @@ class _Decoder:
         self._fit_window(tree.window)
         numbers = IterationUniforms.take(self.random, tree.size, tree.branching, tree.window,
                                          tree.tree_levels, self.vocab)
-        stage = self._stage_runner(tree)
+        stage = self._stage_runner((tree.window, tree.profile))
         drafts = stage(draft, self.state, tree, self._canvas(), self.acceleration.init, numbers)
-        node_slots = ((self.committed - 1)[:, None] + tree.depth).clamp_max(self.slots - 1)
-        cond, uncond = self.session.forward(drafts.tokens, node_slots, tree.host_ancestors,
+        cond, uncond = self.session.forward(drafts.tokens, drafts.slots, tree.host_ancestors,
                                             self.done, self.recorder.clock.mark)
         outcome = stage(conclude, tree, cond, uncond, self.sampling,
-                        self.guidance.after(node_slots), drafts, self.state, numbers, self.rule,
+                        self.guidance.after(drafts.slots), drafts, self.state, numbers, self.rule,
                         self.acceleration.adaptive_shape, self.committed, self.row_start,
                         self.codes, self.column_targets, self.slots, self.width,
                         self.acceleration)
         self._record(outcome)
-        self.session.keep(outcome.verdict.on_path & (tree.depth < outcome.made.count))
+        self.session.keep(outcome.kept)
         self.state, self.committed, self.anchor = outcome.state, outcome.committed, outcome.anchor
-        return self._read_committed(outcome.verdict)
+        return self._read_committed(outcome.read)
 
-    def _stage_runner(self, tree: DraftTree) -> Callable:
+    def _stage_runner(self, shape: tuple[int, tuple[int, ...]]) -> Callable:
         """Runs a stage of :mod:`.stages` on its arguments: compiled where the stages are
-        (``compile_stages``; per tree shape, with the batch's rows), as it is otherwise."""
+        (``compile_stages``; per tree ``shape``, (window, profile), with the batch's rows), as
+        it is otherwise."""
         if self.compiled_stages is None:
             return lambda function, *args: function(*args)
-        shape, rows = (tree.window, tree.profile), len(self.rows)
+        rows = len(self.rows)
         return lambda function, *args: self.compiled_stages(function, shape, rows, *args)
 
     def _fit_window(self, window: int) -> None:
@@ -190,23 +191,19 @@ class _Decoder:
         """The trace's records of the iteration (and VP's bet, where counted, on the window the
         drafts came from)."""
         made, verdict = outcome.made, outcome.verdict
-        self.recorder.entered_window(self.iteration, self.row_start[:, None] + made.window_slots
-                                     .clamp_max(self.slots))
+        self.recorder.entered_window(self.iteration, made.entered)
         self.recorder.committed_slots(self.iteration, made.writes, outcome.path_peaks,
                                       verdict.kinds, verdict.probability, made.sources)
         if self.count_vp_rises:
             self._count_rises(verdict.tokens, made.committing)
 
-    def _read_committed(self, verdict: Verdict) -> list[int]:
-        """The iteration's one read: the committed counts (and PD's sibling counts, in the same
-        read); returns the slots each row gained."""
-        previous = self.done
-        if verdict.sibling_tests is None:
-            self.done, self.siblings = self.committed.tolist(), (0, 0)
-        else:
-            host = torch.cat([self.committed, verdict.sibling_tests.sum()[None],
-                              verdict.sibling_passes.sum()[None]]).tolist()
-            self.done, self.siblings = host[:-2], (host[-2], host[-1])
+    def _read_committed(self, read: torch.Tensor) -> list[int]:
+        """The iteration's one read (:attr:`.stages.Outcome.read`): the committed counts, and
+        PD's sibling counts where it made them; returns the slots each row gained."""
+        previous, host = self.done, read.tolist()
+        rows = len(previous)
+        self.done = host[:rows]
+        self.siblings = (host[rows], host[rows + 1]) if len(host) > rows else (0, 0)
         return [now - before for before, now in zip(previous, self.done)]
 
     def _count_rises(self, committed: torch.Tensor, valid: torch.Tensor) -> None:

@@ -155,7 +155,8 @@ class AccelerationSettings:
         a draw may flip and the rest of that image differ, as between batch sizes.
     compile_stages: also compile the speculative iteration's stages (draft, verify, commit,
         advance: some 400 small operations per PAC+VP iteration, each a kernel launch on a GPU),
-        as two calls (draft; verify, commit and advance), each whole, by inductor with automatic
+        as two calls (draft; verify, commit and advance), and plain autoregression's step after
+        the network (target, draw, commit) as one, each whole, by inductor with automatic
         dynamic sizes (on CUDA in its CUDA-graph mode, ``mode="reduce-overhead"``). Off by
         default, and not on the nodes, until a GPU run shows that it pays (``python -m
         sjd_core.tools.gpu_check`` times it): on a CPU it costs seconds of compiling per graph and

@@ -8,7 +8,8 @@ network, compiled or captured per fed shape on its own (:mod:`sjd_core.compiled`
 engine (:meth:`.engine._Decoder.speculative_step`) calls ``draft``, feeds, then
 :func:`conclude` (``verify``, ``commit`` and ``advance`` in one call, so that compiled or
 captured they are one graph: the target and the verdict between them stay inside it), keeps
-the trace and reads the committed counts back once.
+the trace and reads the committed counts back once. A plain autoregressive step after the
+network is one stage too, :func:`autoregressive`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 
 from .drafting import (NO_DRAFT, Canvas, DraftTree, WindowState, add_candidates, flat_rows,
                        initial_drafts, redraft, shift_window, take_rows)
-from .sampling import IterationUniforms, exponential, process
+from .sampling import IterationUniforms, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings
 from .verify import BONUS, Verdict, verify_tree
 
-__all__ = ["Commit", "Drafts", "Outcome", "advance", "commit", "conclude", "draft", "verify"]
+__all__ = ["Commit", "Drafted", "Drafts", "Outcome", "advance", "autoregressive", "commit",
+           "conclude", "draft", "verify"]
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Drafts:
     tokens: torch.Tensor  # (B, T) the fed codes; node 0 is the last committed code
     valid: torch.Tensor  # (B, T) whether each node is a candidate in play
     source: torch.Tensor  # (B, T) the window offset or PD candidate each node's code came from
+    slots: torch.Tensor  # (B, T) the slot each node's code sits at (past the image: its last)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Commit:
 
     count: torch.Tensor  # (B, 1) slots committed per row
     window_slots: torch.Tensor  # (B, W) the slot of each window offset
+    entered: torch.Tensor  # (B, W) flat indices of those slots (the spare slot past the image)
     committing: torch.Tensor  # (B, W) the offsets committed now
     writes: torch.Tensor  # (B, W) flat indices into the codes (a spare slot where not committing)
     sources: torch.Tensor  # (B, W) int8: how each committed code's draft was made
@@ -54,7 +58,8 @@ def draft(state: WindowState, tree: DraftTree, canvas: Canvas, rule: str,
     tokens, valid, source = add_candidates(
         state, tree, exponential(numbers.race) if tree.tree_levels else None)
     tokens[:, 0] = canvas.anchor
-    return Drafts(tokens, valid, source)
+    slots = ((canvas.committed - 1)[:, None] + tree.depth).clamp_max(canvas.slots - 1)
+    return Drafts(tokens, valid, source, slots)
 
 
 def verify(tree: DraftTree, cond: torch.Tensor, uncond: torch.Tensor | None,
@@ -90,7 +95,8 @@ def commit(tree: DraftTree, target: torch.Tensor, verdict: Verdict, drafts: Draf
         column_targets.view(-1, column_targets.shape[-1]).index_copy_(
             0, flat_rows(columns, column_targets.shape[1]),
             take_rows(target, flat_rows(verdict.path, tree.size)).flatten(0, 1))
-    return Commit(count, window_slots, committing, writes, sources)
+    entered = row_start[:, None] + window_slots.clamp_max(slots)
+    return Commit(count, window_slots, entered, committing, writes, sources)
 
 
 def advance(state: WindowState, tree: DraftTree, target: torch.Tensor, verdict: Verdict,
@@ -121,6 +127,8 @@ class Outcome:
     state: WindowState
     committed: torch.Tensor  # (B,) slots committed per row, after this iteration
     anchor: torch.Tensor  # (B,) each row's last committed code
+    kept: torch.Tensor  # (B, T) the fed nodes whose cache entries stay: the committed path
+    read: torch.Tensor  # (B,) or (B + 2,): ``committed``, then PD's sibling tests and passes
 
 
 def conclude(tree: DraftTree, cond: torch.Tensor, uncond: torch.Tensor | None,
@@ -139,4 +147,39 @@ def conclude(tree: DraftTree, cond: torch.Tensor, uncond: torch.Tensor | None,
     path_peaks = target.amax(-1).gather(1, verdict.path)
     advanced, now_committed, anchor = advance(state, tree, target, verdict, made.count,
                                               committed, settings, numbers)
-    return Outcome(verdict, made, path_peaks, advanced, now_committed, anchor)
+    kept = verdict.on_path & (tree.depth < made.count)
+    return Outcome(verdict, made, path_peaks, advanced, now_committed, anchor, kept,
+                   _host_read(now_committed, verdict))
+
+
+def _host_read(committed: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    """What the engine reads back once per iteration: the committed counts, and where PD counts
+    its siblings, their tests and passes summed over the batch."""
+    if verdict.sibling_tests is None:
+        return committed
+    return torch.cat([committed, verdict.sibling_tests.sum()[None],
+                      verdict.sibling_passes.sum()[None]])
+
+
+@dataclass
+class Drafted:
+    """What a plain autoregressive step leaves: its target, the code drawn from it and where
+    that code went."""
+
+    target: torch.Tensor  # (B, V)
+    token: torch.Tensor  # (B,) the code drawn, now each row's last committed code
+    written: torch.Tensor  # (B,) its flat index into the codes
+    peak: torch.Tensor  # (B,) the target's largest probability (for the trace)
+    committed: torch.Tensor  # (B,) slots committed per row, after this step
+
+
+def autoregressive(cond: torch.Tensor, uncond: torch.Tensor | None, sampling: SamplingSettings,
+                   scale: float | torch.Tensor, uniforms: torch.Tensor, committed: torch.Tensor,
+                   row_start: torch.Tensor, codes: torch.Tensor) -> Drafted:
+    """Plain autoregression after the network: the target of each row's next slot from the
+    logits, one code drawn from it at ``uniforms`` (B, 1), written into ``codes`` (flat)."""
+    target = process(cond, uncond, sampling, scale)
+    token = sample(target, uniforms[:, 0])
+    written = row_start + committed
+    codes.index_put_((written,), token)
+    return Drafted(target, token, written, target.amax(-1), committed + 1)

@@ -8,8 +8,8 @@ a GPU's host time follows, and this CPU can count them::
     python -m sjd_core.tools.eager_ops                    # ar, sjd, pac+vp, auto; compiled
     python -m sjd_core.tools.eager_ops --modes ar --top 20
 
-Each mode runs on the engine tests' small synthetic model with ``compile`` and (but plain
-autoregression, which has none) ``compile_stages`` on: a few generations compile, then one runs
+Each mode runs on the engine tests' small synthetic model with ``compile`` and ``compile_stages``
+on: a few generations compile, then one runs
 under torch's profiler, which records every aten operation the host dispatches and every
 compiled region (torch names them "Torch-Compiled Region"). An operation counts when it runs
 inside one iteration of the decoding loop (from one progress report to the next: the first
@@ -77,7 +77,7 @@ def count_mode(mode: str, warm_runs: int = 2) -> EagerOps:
 
     model = SyntheticModel(codebook_size=32, grid=(6, 6), width=32, layers=1, heads=2,
                            sharpness=2.0, seed=5)
-    settings = AccelerationSettings.preset(mode, compile=True, compile_stages=mode != "ar")
+    settings = AccelerationSettings.preset(mode, compile=True, compile_stages=True)
     if mode == "auto":  # its choice by forward passes: the same shapes on every machine
         settings = replace(settings, shape_cost="passes")
     request, sampling = GenerationRequest(prompt="a red fox"), SamplingSettings(guidance=2.0)
