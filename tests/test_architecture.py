@@ -152,7 +152,7 @@ def test_importing_the_core_loads_no_family_tool_or_comfyui():
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.split()
     allowed = {"sjd_core", "sjd_core.decoding", "sjd_core.messages", "sjd_core.files",
-               "sjd_core.transfer", "sjd_core.compiled",
+               "sjd_core.checks", "sjd_core.transfer", "sjd_core.compiled",
                "sjd_core.models", "sjd_core.models.protocol"}
     stray = [m for m in loaded if m not in allowed and not m.startswith("sjd_core.decoding.")]
     assert "sjd_core.decoding.engine" in loaded
