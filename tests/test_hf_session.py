@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sjd_core.models.hf_session import Context, DecoderParts, HFSession, cache_keyword
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
-from sjd_core.models.session.kv_store import KVStore
+from sjd_core.models.session.kv_store import KVStore, compact
 from sjd_core.tools import session_bench
 from sjd_core.tools.host_reads import HostReads
 
@@ -480,7 +480,7 @@ def test_layers_of_one_kind_join_into_one_tensor_and_move_together():
     for layer in range(4):
         assert torch.equal(store._views[layer][0], before[layer][0])
         assert torch.equal(store._views[layer][1], before[layer][1])
-    store.compact(torch.tensor([[2, 0], [1, 2]]), torch.tensor([[0, 1], [0, 1]]))
+    compact(store.buffers(), torch.tensor([[2, 0], [1, 2]]), torch.tensor([[0, 1], [0, 1]]))
     for layer, (keys, values) in enumerate(written):
         cached_keys, cached_values = store._views[layer]
         for row, taken in enumerate([[2, 0], [1, 2]]):

@@ -165,7 +165,7 @@ class _Decoder:
                         self.codes, self.column_targets, self.slots, self.width,
                         self.acceleration)
         self._record(outcome)
-        self.session.keep(outcome.kept)
+        self.session.keep(outcome.kept, stage)
         self.state, self.committed, self.anchor = outcome.state, outcome.committed, outcome.anchor
         return self._read_committed(outcome.read)
 

@@ -153,8 +153,10 @@ class DecodingSession(Protocol):
         """
         ...
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Keep the cache entries of the fed nodes where ``mask`` (B, T) is True; drop the rest."""
+    def keep(self, mask: torch.Tensor, run: Callable | None = None) -> None:
+        """Keep the cache entries of the fed nodes where ``mask`` (B, T) is True; drop the rest.
+        ``run(function, *arguments)``, when given, calls the session's device work for it (the
+        engine passes its stage runner, which compiles that work per tree shape)."""
         ...
 
     def advance(self, codes: torch.Tensor, committed: Sequence[int],

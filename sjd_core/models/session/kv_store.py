@@ -16,8 +16,9 @@ then writes its new entries in place with one indexed write (or, where the sessi
 rows' tokens start at one column, one slice) and attends over those columns of its buffers under
 the mask. Most forwards attend over every column of the capacity, so that the shapes inside the
 network depend only on the fed shape (rows, tokens), never on how much is cached (see the
-session's ``_attention``). ``compact`` moves entries within
-rows (keeping an accepted path) and touches only the columns it is given; ``select_rows`` and
+session's ``_attention``). :func:`compact` and :func:`compact_columns` move entries within
+rows (keeping an accepted path) and touch only the columns they are given: functions of the
+store's ``buffers()``, so that they can run inside a compiled stage; ``select_rows`` and
 ``reserve`` copy the whole cache once.
 """
 
@@ -27,7 +28,7 @@ import torch
 
 from ...transfer import to_device
 
-__all__ = ["KVStore"]
+__all__ = ["KVStore", "compact", "compact_columns"]
 
 
 class KVStore:
@@ -107,28 +108,6 @@ class KVStore:
                 self._views[layer] = (joined[index, 0], joined[index, 1])
         self._set(self._groups)
 
-    def compact(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """In every row, move the entries at columns ``source`` (rows, n) to columns ``target``.
-
-        Each entry moves as a whole (its ``dim`` values at once), one indexed copy per group of
-        layers.
-        """
-        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for group in self._groups:
-            if group.device not in indices:
-                rows = torch.arange(source.shape[0], device=group.device)[:, None]
-                indices[group.device] = (rows, to_device(source, group.device),
-                                         to_device(target, group.device))
-            rows, take, put = indices[group.device]
-            group[:, :, rows, :, put] = group[:, :, rows, :, take]
-
-    def compact_columns(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """``compact`` where every row moves the same columns ``source`` (n,) to ``target`` (n,):
-        one selection and one indexed copy per group of layers, over all rows at once."""
-        for group in self._groups:
-            group.index_copy_(4, to_device(target, group.device),
-                              group.index_select(4, to_device(source, group.device)))
-
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
         self._set([group.index_select(2, to_device(index, group.device)) for group in self._groups])
@@ -183,3 +162,29 @@ class KVStore:
             rows = torch.arange(self._columns.shape[0], device=device)[:, None]
             self._write_indices[device] = (rows, to_device(self._columns, device))
         return self._write_indices[device]
+
+
+def compact(groups: tuple[torch.Tensor, ...], source: torch.Tensor, target: torch.Tensor) -> None:
+    """In every row of the store's ``groups`` (``KVStore.buffers()``), move the entries at
+    columns ``source`` (rows, n) to columns ``target``.
+
+    Each entry moves as a whole (its ``dim`` values at once), one indexed copy per group of
+    layers.
+    """
+    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for group in groups:
+        if group.device not in indices:
+            rows = torch.arange(source.shape[0], device=group.device)[:, None]
+            indices[group.device] = (rows, to_device(source, group.device),
+                                     to_device(target, group.device))
+        rows, take, put = indices[group.device]
+        group[:, :, rows, :, put] = group[:, :, rows, :, take]
+
+
+def compact_columns(groups: tuple[torch.Tensor, ...], source: torch.Tensor,
+                    target: torch.Tensor) -> None:
+    """:func:`compact` where every row moves the same columns ``source`` (n,) to ``target``
+    (n,): one selection and one indexed copy per group of layers, over all rows at once."""
+    for group in groups:
+        group.index_copy_(4, to_device(target, group.device),
+                          group.index_select(4, to_device(source, group.device)))

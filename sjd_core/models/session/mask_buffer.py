@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MaskBuffer"]
+__all__ = ["MaskBuffer", "mask_values", "settle"]
 
 
 class MaskBuffer:
@@ -57,11 +57,14 @@ class MaskBuffer:
     def capacity(self) -> int:
         return self._buffer.shape[3]
 
+    @property
+    def choices(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The values (attend, blocked) of an additive mask; None for a boolean one."""
+        return None if self.dtype == torch.bool else self._choices
+
     def values(self, allowed: torch.Tensor) -> torch.Tensor:
         """Booleans (True = may attend) as mask values of this buffer's dtype."""
-        if self.dtype == torch.bool:
-            return allowed
-        return torch.where(allowed, *self._choices)
+        return mask_values(allowed, self.choices)
 
     def write_block(self, columns: torch.Tensor, block: torch.Tensor) -> None:
         """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
@@ -74,11 +77,13 @@ class MaskBuffer:
         return self.buffer[:, :, :tokens]
 
     def settle(self, columns: torch.Tensor, kept: torch.Tensor) -> None:
-        """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
-        later query of row ``r``; the rest are blocked."""
-        n, queries = columns.shape[2], self.query_rows
-        values = self.values(self._offsets(n) < kept.view(-1, 1, 1))
-        self._rows().scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
+        """:func:`settle` on this buffer."""
+        settle(*self.settle_arguments(columns.shape[2]), columns, kept)
+
+    def settle_arguments(self, n: int) -> tuple:
+        """The buffer's tensors that :func:`settle` of ``n`` fed columns takes, before the
+        columns and kept counts: its rows to write through, ``0 .. n - 1`` and its values."""
+        return self._rows(), self._offsets(n), self.choices
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
@@ -109,7 +114,7 @@ class MaskBuffer:
 
     def _rows(self) -> torch.Tensor:
         """The buffer's (rows, query_rows, capacity) view to write through, every column opened
-        so far included."""
+        so far included (the host's pending openings written first)."""
         self._open_pending()
         return self._by_row
 
@@ -130,3 +135,23 @@ class MaskBuffer:
         if n not in self._ranges:
             self._ranges[n] = torch.arange(n, device=self.device).view(1, 1, n)
         return self._ranges[n]
+
+
+def mask_values(allowed: torch.Tensor, choices: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> torch.Tensor:
+    """Booleans (True = may attend) as mask values: themselves for a boolean mask (``choices``
+    None), else the additive ``choices`` (attend, blocked)."""
+    if choices is None:
+        return allowed
+    return torch.where(allowed, *choices)
+
+
+def settle(rows: torch.Tensor, offsets: torch.Tensor,
+           choices: tuple[torch.Tensor, torch.Tensor] | None, columns: torch.Tensor,
+           kept: torch.Tensor) -> None:
+    """After a keep: the first ``kept[r]`` of the fed columns (rows, 1, n) stay open to every
+    later query of row ``r``; the rest are blocked. ``rows``, ``offsets``, ``choices``: the
+    buffer's (:meth:`MaskBuffer.settle_arguments`), so that this can run in a compiled stage."""
+    queries = rows.shape[1]
+    values = mask_values(offsets < kept.view(-1, 1, 1), choices)
+    rows.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))

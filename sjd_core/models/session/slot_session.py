@@ -38,12 +38,12 @@ from ... import checks
 from ...messages import quote
 from ..protocol import DecodingSession
 from ...compiled import CapturedNetwork, CompiledNetwork, compile_network
-from .kv_store import KVStore
-from .mask_buffer import MaskBuffer
+from .kv_store import KVStore, compact, compact_columns
+from .mask_buffer import MaskBuffer, settle
 from .token_layout import FedLayout, GridLayout
 from ...transfer import host_to_device, to_device
 
-__all__ = ["Fed", "SlotSession"]
+__all__ = ["Fed", "SlotSession", "keep_entries"]
 
 
 @dataclass
@@ -303,7 +303,7 @@ class SlotSession(DecodingSession):
                           outputs=plan.outputs, visible=plan.visible)
         tensors = host_to_device(arrays, self.device)
         columns = tensors["columns"]
-        one_image = self.batch_size == 1 and plan.lengths.min() == plan.lengths.max()
+        one_image = self.batch_size == 1 and bool(plan.lengths.min() == plan.lengths.max())
         return Fed(plan.slots.shape[1], path_tokens, moved, one_image, tensors["positions"],
                    columns, columns[:, None], tensors["slots"],
                    *(tensors.get(name) for name in _OPTIONAL))
@@ -441,13 +441,16 @@ class SlotSession(DecodingSession):
 
     # ------------------------------------------------------------------ keep and retain
     @_without_grad
-    def keep(self, mask: torch.Tensor) -> None:
+    def keep(self, mask: torch.Tensor, run: Callable | None = None) -> None:
         """Keep the entries of the fed nodes where ``mask`` (B, T) is True, per row; drop the rest.
 
         The kept nodes of a row are a path of the fed tree (at most one node per depth; the next
         forward fails when a row kept more). A kept node keeps all its tokens (code and row end). Kept entries move,
         in fed order, to the columns right after the row's cached prefix (only as many columns
         move as a path can hold); dropped ones are blocked in the mask.
+
+        ``run(function, *arguments)`` calls the device work, :func:`keep_entries` (the engine's
+        stage runner, which compiles it per tree shape); None: called as it is.
         """
         fed = self._fed
         if fed is None:
@@ -456,26 +459,9 @@ class SlotSession(DecodingSession):
             raise ValueError(f"keep got a mask of shape {tuple(mask.shape)}; expected "
                              f"(B={self.batch_size}, T={fed.nodes}), one entry per fed node.")
         self._fed = None
-        keep = to_device(mask, self.device, torch.bool)
-        if self.guided:
-            keep = torch.cat([keep, keep])
-        if fed.token_node is not None:
-            keep = keep.gather(1, fed.token_node) & fed.real
-        kept = keep.sum(1)
-        if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
-            kept = kept.clamp_max(fed.path_tokens)  # more fails the next forward's check
-        if fed.moved is not None:
-            # one image: every row moves the same columns, so row 0 says which, for all rows
-            rows = slice(0, 1) if fed.one_image else slice(None)
-            columns = fed.columns[rows]
-            order = torch.argsort((~keep[rows]).to(torch.int8), dim=1, stable=True)[:, fed.moved]
-            source, target = columns.gather(1, order), columns[:, fed.moved]
-            if fed.one_image:
-                self.store.compact_columns(source[0], target[0])
-            else:
-                self.store.compact(source, target)
-        self.mask.settle(fed.column_index, kept)
-        self._kept = kept
+        arguments = (to_device(mask, self.device, torch.bool), self.guided, fed,
+                     self.store.buffers(), self.mask.settle_arguments(fed.column_index.shape[2]))
+        self._kept = keep_entries(*arguments) if run is None else run(keep_entries, *arguments)
 
     def _keep_rows(self) -> None:
         """The keep mask of one node, the kept counts of an advance and the positions of the
@@ -517,3 +503,30 @@ class SlotSession(DecodingSession):
         self.batch_size = len(listed)
         self._keep_rows()
 
+
+
+def keep_entries(keep: torch.Tensor, guided: bool, fed: Fed, cache: tuple[torch.Tensor, ...],
+                 mask: tuple) -> torch.Tensor:
+    """:meth:`SlotSession.keep`'s device work: the kept nodes ``keep`` (B, T) of the forward
+    ``fed`` moved to the front of its columns in the ``cache`` groups (``KVStore.buffers()``),
+    the mask settled (``mask``: :meth:`.MaskBuffer.settle_arguments`); the tokens each cached
+    sequence kept (R,). Plain tensor code, so that a compiled stage can run it."""
+    if guided:
+        keep = torch.cat([keep, keep])
+    if fed.token_node is not None:
+        keep = keep.gather(1, fed.token_node) & fed.real
+    kept = keep.sum(1)
+    if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
+        kept = kept.clamp_max(fed.path_tokens)  # more fails the next forward's check
+    if fed.moved is not None:
+        # one image: every row moves the same columns, so row 0 says which, for all rows
+        rows = slice(0, 1) if fed.one_image else slice(None)
+        columns = fed.columns[rows]
+        order = torch.argsort((~keep[rows]).to(torch.int8), dim=1, stable=True)[:, fed.moved]
+        source, target = columns.gather(1, order), columns[:, fed.moved]
+        if fed.one_image:
+            compact_columns(cache, source[0], target[0])
+        else:
+            compact(cache, source, target)
+    settle(*mask, fed.column_index, kept)
+    return kept
