@@ -307,8 +307,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "uncompiled as a baseline; prints each mode's first image, which "
                              "compiles, before timing")
     parser.add_argument("--compile-stages", action="store_true",
-                        help="with --compile: also run every speculative mode with its decoding "
-                             "stages compiled (compile_stages=True), as '<mode> + stages'")
+                        help="with --compile: also run every mode with its decoding stages "
+                             "compiled (compile_stages=True), as '<mode> + stages'")
     parser.add_argument("--windows", type=window_lengths, default=(),
                         help="comma-separated window lengths: also run AC+above with each, as "
                              "'AC+above, window N', fixed lossless modes that auto is held to "
@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace) -> list[dict]:
     modes = {name: replace(settings, compile=args.compile) for name, settings in chosen.items()}
     if args.compile_stages:
         modes.update({f"{name} + stages": replace(settings, compile_stages=True)
-                      for name, settings in list(modes.items()) if settings.window > 1})
+                      for name, settings in list(modes.items())})
     if args.compile:
         modes[EAGER_AR] = replace(MODES["AR"], compile=False)
     for acceleration in modes.values():  # before any mode (or generate()) runs a batch
