@@ -32,9 +32,8 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
     for forward in table["forwards"]:
         assert forward["host_ms"] > 0 and forward["busy_ms"] is None  # no device here
     runs = {(run["mode"], run["compiled"], run["stages"]): run for run in table["runs"]}
-    assert list(runs) == [("ar", False, False), ("ar", True, False),
-                          *((mode, compiled, stages) for mode in ("pac+vp", "auto")
-                            for compiled, stages in ((False, False), (True, False), (True, True)))]
+    assert list(runs) == [(mode, compiled, stages) for mode in ("ar", "pac+vp", "auto")
+                          for compiled, stages in ((False, False), (True, False), (True, True))]
     for (mode, _, stages), run in runs.items():
         # plain autoregression commits exactly one code per iteration and reads nothing back;
         # the speculative modes read one value per iteration; nobody waits on a copy to the device
@@ -46,10 +45,11 @@ def test_gpu_check_tiny_prints_and_writes_the_table(tmp_path, capsys):
         assert run["busy_ms_per_iteration"] is None and run["warmup_seconds"] > 0
         assert f"| {gpu_check.run_name(run)} | {run['ms_per_iteration']:.2f} |" in printed
         if stages:  # compiled for real, not a fallback
-            assert run["stage_graphs"]["failure"] is None and run["stage_graphs"]["graphs"] >= 2
+            assert run["stage_graphs"]["failure"] is None and run["stage_graphs"]["graphs"] >= 1
             assert run["codes_compared"] > 0
     assert runs[("ar", False, False)]["codes_per_iteration"] == 1.0
     assert runs[("ar", True, False)]["codes_per_iteration"] == 1.0
+    assert runs[("ar", True, True)]["codes_per_iteration"] == 1.0
     assert "| pac+vp compiled + stages | " in printed
     assert "codes per second against the faster" in printed
     assert table["peak_memory_gib"] is None  # no CUDA here
@@ -72,6 +72,8 @@ def _the_new_parts_are_there(table: dict, printed: str) -> None:
     assert rows["ar compiled"]["ar_step_multiple"] == 1.0
     assert rows["ar compiled"]["targets"][0] == "x floor <= 1.5"
     assert "x compiled AR step <= 1.3" in rows["pac+vp compiled + stages"]["targets"]
+    assert rows["ar compiled + stages"]["targets"] == ["x floor <= 1.5",
+                                                       "s to first measured <= 120 cold"]
     assert rows["ar eager"]["targets"] == []
     assert table["generate"]["new_tokens"] == 16 and table["generate"]["ms_per_code"] > 0
     assert "transformers generate() (its own guidance" in printed
