@@ -47,7 +47,7 @@ __all__ = ["MAX_CAPTURED_SHAPES", "CapturedNetwork", "CompiledNetwork", "Compile
 
 MAX_CAPTURED_SHAPES = 8  # CUDA graphs recorded per generation; later shapes run eagerly
 
-Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns) -> hidden states
+Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns[, outputs]) -> logits
 
 
 def backend(device: torch.device) -> str:
@@ -334,18 +334,18 @@ class CapturedNetwork(_PerShape):
             self._addresses = addresses
         if shape in self._graphs:
             return self._graphs[shape].replay(tensors)
-        hidden = self._on_side_stream(lambda: self._eager(*tensors))
+        output = self._on_side_stream(lambda: self._eager(*tensors))
         if not self._ready() or addresses != tuple(b.data_ptr() for b in self._buffers()):
-            return hidden  # that run allocated or moved the cache: record at the next call
+            return output  # that run allocated or moved the cache: record at the next call
         try:
             self._graphs[shape] = self._first_call(
                 shape, lambda: _Graph(self._eager, tensors, self._stream))
         except Exception as error:  # recording refused an operation: eager from here on
             self._graphs.clear()
             self.failure = _failure(error, step="recording a CUDA graph")
-            return hidden
+            return output
         self._recordings += 1
-        return hidden
+        return output
 
     def _on_side_stream(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``call()`` on a side stream (where a recording must run), ordered after and before

@@ -10,6 +10,9 @@ import torch
 from sjd_core.decoding import engine
 from sjd_core.tools import eager_ops
 
+# a compiled stage cannot read back what the device checks read: counted as they run in use
+pytestmark = pytest.mark.usefixtures("without_device_checks")
+
 
 def _event(name: str, parent=None) -> SimpleNamespace:
     return SimpleNamespace(name=name, cpu_parent=parent)
@@ -49,3 +52,22 @@ def test_an_eager_operation_planted_in_every_step_counts_once_per_iteration(monk
     assert after.by_operation["aten::zeros"] - before.by_operation["aten::zeros"] == 35
     # the codebook head's one linear per step; the network's four per step are compiled
     assert before.by_operation["aten::linear"] < 2 * before.iterations
+
+
+# What an iteration still dispatches outside compiled code: the layout's transfer to the device,
+# the write of the fed tokens' mask block, the inputs' embedding, the copy of the iteration's
+# uniforms and the one read of the committed counts.
+MOST_EAGER = {"ar": 14, "sjd": 17, "pac+vp": 17, "auto": 17}
+
+
+@pytest.mark.slow
+def test_a_compiled_iteration_dispatches_only_a_few_operations_outside_compiled_code():
+    """Every mode with its network and stages compiled: draft, verify, commit, advance, keep,
+    the head and plain autoregression's draw run inside compiled regions, so an iteration
+    dispatches at most ``MOST_EAGER`` operations of its own (an operation added outside
+    compiled code on the hot path fails here)."""
+    counts = {mode: eager_ops.count_mode(mode) for mode in eager_ops.MODES}
+    assert {mode: count.iterations > 5 for mode, count in counts.items()} == dict.fromkeys(
+        eager_ops.MODES, True)
+    for mode, count in counts.items():
+        assert count.per_iteration <= MOST_EAGER[mode], (mode, count.by_operation)

@@ -158,11 +158,22 @@ class SlotSession(DecodingSession):
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
+                      mask: torch.Tensor | None, columns: torch.Tensor | None,
+                      *outputs: torch.Tensor) -> torch.Tensor:
+        """The codebook logits of the fed tokens (of those ``outputs`` (R, n) picks, where
+        given): :meth:`_hidden_states`, then the head, in the one call that is compiled or
+        captured per fed shape."""
+        hidden = self._hidden_states(inputs, positions, mask, columns)
+        if outputs:
+            index = to_device(outputs[0], hidden.device)  # the last layers may sit elsewhere
+            hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self._logits(hidden)
+
+    def _hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
         """The network on the fed tokens, their keys and values written at cache ``columns``
-        (R, tokens; None: as one slice from ``_first_column``): the call compiled or captured
-        per fed shape, so every tensor it reads that changes between forwards is an argument
-        (the cache's buffers stay where they are).
+        (R, tokens; None: as one slice from ``_first_column``): every tensor it reads that
+        changes between forwards is an argument (the cache's buffers stay where they are).
         The layers that allocated their cache in this call are joined at its end, so that the
         next call is already compiled (``store.settled``)."""
         attended = self._first_column + inputs.shape[1] if mask is None else mask.shape[-1]
@@ -187,8 +198,8 @@ class SlotSession(DecodingSession):
         allowed |= torch.eye(n, capacity, dtype=torch.bool, device=self.device)  # padding sees itself
         positions = (order - padding).clamp_min(0)  # a context's tokens count from 0
         self._first_column = None
-        self._network_step(inputs, positions, self.mask.values(allowed)[:, None],
-                           order.expand(len(self._padding), n))
+        self._hidden_states(inputs, positions, self.mask.values(allowed)[:, None],
+                            order.expand(len(self._padding), n))
 
     def context_columns(self, row: int, length: int) -> slice:
         """The columns of the prefill's input where row ``row`` puts its ``length`` context
@@ -219,13 +230,9 @@ class SlotSession(DecodingSession):
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
-        hidden = self._network(inputs, fed.positions,
+        logits = self._network(inputs, fed.positions,
                                self._attention(plan.tokens, longest, plan.lengths.min() == longest),
-                               fed.columns)
-        if fed.outputs is not None:
-            index = to_device(fed.outputs, hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
-            hidden = hidden.gather(1, index)
-        logits = self._logits(hidden)
+                               fed.columns, *(() if fed.outputs is None else (fed.outputs,)))
         if mark is not None:
             mark()
         self._fed, self._held = fed, plan.lengths
@@ -370,7 +377,7 @@ class SlotSession(DecodingSession):
         mask = self._attention(1, int(held.max()), in_step)
         if columns is None and self._first_column is None:  # written through an index tensor
             columns = torch.full((len(held), 1), int(held[0]), device=self.device)
-        logits = self._logits(self._network(inputs, positions, mask, columns))[:, 0]
+        logits = self._network(inputs, positions, mask, columns)[:, 0]
         if mark is not None:
             mark()
         self._held, self._kept = held, self._kept_one
