@@ -144,7 +144,7 @@ class CompiledNetwork(_PerShape):
     def __init__(self, network: Network, ready: Callable[[], bool] = lambda: True) -> None:
         super().__init__(ready)
         self._eager = network
-        self._first_layout: tuple | None = None
+        self._first_shapes: dict[int, tuple[int, ...]] = {}  # per argument, its first shape
         self._varied: set[tuple[int, int]] = set()  # (argument, dimension) that changed size
         try:
             self._compiled = torch.compile(network, fullgraph=False)
@@ -172,12 +172,11 @@ class CompiledNetwork(_PerShape):
         booked = next((graph for graph in self.shapes if _serves(graph, layout, tensors)), None)
         if booked is not None:  # no size in it differs from the first call's but symbolic ones
             return booked
-        first = self._first_layout = self._first_layout or layout
-        if [len(shape) for shape, _ in layout] == [len(shape) for shape, _ in first]:
-            self._varied |= {(argument, dimension)
-                             for argument, ((shape, _), (first_shape, _)) in enumerate(zip(layout, first))
-                             for dimension, (size, first_size) in enumerate(zip(shape, first_shape))
-                             if size != first_size}
+        for argument, (shape, _) in enumerate(layout):  # torch keeps sizes per argument
+            first_shape = self._first_shapes.setdefault(argument, shape)
+            if len(shape) == len(first_shape):
+                self._varied |= {(argument, dimension) for dimension, (size, first_size)
+                                 in enumerate(zip(shape, first_shape)) if size != first_size}
         graph = []
         for argument, ((shape, strides), tensor) in enumerate(zip(layout, tensors)):
             symbolic = [(argument, dimension) in self._varied and size > 1

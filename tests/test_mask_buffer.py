@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sjd_core.models.session.mask_buffer import MaskBuffer
+from sjd_core.models.session.mask_buffer import MaskBuffer, write_block
 
 CAPACITY = 12
 
@@ -37,9 +37,9 @@ def test_columns_opened_before_a_keep_stay_open_and_the_keep_still_blocks_its_ow
     mask = MaskBuffer(torch.tensor([3, 3]), 4, CAPACITY, dtype, torch.device("cpu"))
     mask.open_column(3)
     mask.open_column(4)
-    fed = torch.tensor([[[5, 6]], [[5, 6]]])  # (rows, 1, n): two tokens fed per row
-    mask.write_block(fed, mask.values(torch.ones(1, 2, 2, dtype=torch.bool)))
-    mask.settle(fed, torch.tensor([1, 0]))  # row 0 keeps its first token, row 1 none
+    fed = torch.tensor([[5, 6], [5, 6]])  # (rows, n): two tokens fed per row
+    write_block(mask.view(2), fed, mask.values(torch.ones(1, 2, 2, dtype=torch.bool)))
+    mask.settle(fed[:, None], torch.tensor([1, 0]))  # row 0 keeps its first token, row 1 none
     expected = torch.stack([columns(0, 1, 2, 3, 4, 5), columns(0, 1, 2, 3, 4)])
     assert torch.equal(open_columns(mask), expected[:, None, None, :].expand(2, 1, 4, CAPACITY))
 

@@ -4,10 +4,11 @@ One buffer ``(rows, 1, query_rows, capacity)`` in the mask's dtype: additive flo
 the dtype's most negative value = blocked, what transformers' eager and sdpa attention both
 read) or booleans (True = attend). Between forwards every query row of row ``r`` is the same:
 columns ``0 .. length_r - 1`` open (but a padded context's front), every column from
-``length_r`` on blocked, whatever stale entries the cache holds there. A forward writes the
-visibility among its fed tokens into their columns (``write_block``) and attends through the
-buffer's first query rows at the full capacity (``view``); ``settle`` then opens the columns of
-the kept tokens and blocks the others, for every query row. Each of these writes only the fed
+``length_r`` on blocked, whatever stale entries the cache holds there. A forward attends through
+the buffer's first query rows at the full capacity (``view``), with the visibility among its fed
+tokens written into their columns there (:func:`write_block`, inside the network's call); a
+keep's ``settle`` then opens the columns of the kept tokens and blocks the others, for every
+query row, whatever the forward wrote there. Each of these writes only the fed
 tokens' columns, through an index tensor, never the cached prefix. Plain autoregression of rows
 in step keeps one code per row, all at one column (``open_column``): such columns are opened
 together, in one slice write, before the buffer is next read or written, so that steps that
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MaskBuffer", "mask_values", "settle"]
+__all__ = ["MaskBuffer", "mask_values", "settle", "write_block"]
 
 
 class MaskBuffer:
@@ -65,12 +66,6 @@ class MaskBuffer:
     def values(self, allowed: torch.Tensor) -> torch.Tensor:
         """Booleans (True = may attend) as mask values of this buffer's dtype."""
         return mask_values(allowed, self.choices)
-
-    def write_block(self, columns: torch.Tensor, block: torch.Tensor) -> None:
-        """Token ``i`` of row ``r`` sits at column ``columns[r, 0, i]`` (rows, 1, n); ``block``
-        (rows or 1, n, n) mask values say what each of them sees of the others."""
-        rows, _, n = columns.shape
-        self._rows()[:, :n].scatter_(2, columns.expand(-1, n, -1), block.expand(rows, -1, -1))
 
     def view(self, tokens: int) -> torch.Tensor:
         """The (rows, 1, tokens, capacity) mask of a forward feeding ``tokens`` tokens."""
@@ -155,3 +150,11 @@ def settle(rows: torch.Tensor, offsets: torch.Tensor,
     queries = rows.shape[1]
     values = mask_values(offsets < kept.view(-1, 1, 1), choices)
     rows.scatter_(2, columns.expand(-1, queries, -1), values.expand(-1, queries, -1))
+
+
+def write_block(mask: torch.Tensor, columns: torch.Tensor, block: torch.Tensor) -> None:
+    """Into a forward's ``mask`` (rows, 1, n, capacity; :meth:`MaskBuffer.view`): token ``i`` of
+    row ``r`` sits at column ``columns[r, i]`` (rows, n), and ``block`` (rows or 1, n, n) mask
+    values say what each of them sees of the others."""
+    rows, n = columns.shape
+    mask[:, 0].scatter_(2, columns[:, None].expand(-1, n, -1), block.expand(rows, -1, -1))

@@ -39,7 +39,7 @@ from ...messages import quote
 from ..protocol import DecodingSession
 from ...compiled import CapturedNetwork, CompiledNetwork, compile_network
 from .kv_store import KVStore, compact, compact_columns
-from .mask_buffer import MaskBuffer, settle
+from .mask_buffer import MaskBuffer, settle, write_block
 from .token_layout import FedLayout, GridLayout
 from ...transfer import host_to_device, to_device
 
@@ -56,7 +56,6 @@ class Fed:
     one_image: bool  # rows in step that keep the same nodes: one image (and its uncond row)
     positions: torch.Tensor
     columns: torch.Tensor  # (R, tokens)
-    column_index: torch.Tensor  # (R, 1, tokens): the same, shaped to index the mask
     slots: torch.Tensor  # (B, T) the slots the layout assumes for the conditional rows
     expected_kept: torch.Tensor | None  # (R,) tokens the last keep must have kept
     starting: torch.Tensor | None  # (R,) rows whose node 0 is the slot -1 token
@@ -159,10 +158,16 @@ class SlotSession(DecodingSession):
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
                       mask: torch.Tensor | None, columns: torch.Tensor | None,
-                      *outputs: torch.Tensor) -> torch.Tensor:
-        """The codebook logits of the fed tokens (of those ``outputs`` (R, n) picks, where
-        given): :meth:`_hidden_states`, then the head, in the one call that is compiled or
-        captured per fed shape."""
+                      *block_and_outputs: torch.Tensor) -> torch.Tensor:
+        """The codebook logits of the fed tokens: :meth:`_hidden_states`, then the head, in the
+        one call that is compiled or captured per fed shape. A ``forward`` adds its tree's
+        ``block`` (R or 1, n, n mask values), written into ``mask`` at the fed ``columns`` first
+        (:func:`.mask_buffer.write_block`; captured, into the copy the graph reads: the keep
+        settles those columns of the buffer), and, where only some fed tokens give logits, the
+        ``outputs`` (R, n') that pick them."""
+        block, *outputs = block_and_outputs or (None,)
+        if block is not None and mask is not None:  # None: one token, which sees every column
+            write_block(mask, columns, block)
         hidden = self._hidden_states(inputs, positions, mask, columns)
         if outputs:
             index = to_device(outputs[0], hidden.device)  # the last layers may sit elsewhere
@@ -225,14 +230,13 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        self.mask.write_block(fed.column_index, tree_block if fed.visible is None
-                              else self.mask.values(fed.visible))
+        block = tree_block if fed.visible is None else self.mask.values(fed.visible)
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
         logits = self._network(inputs, fed.positions,
                                self._attention(plan.tokens, longest, plan.lengths.min() == longest),
-                               fed.columns, *(() if fed.outputs is None else (fed.outputs,)))
+                               fed.columns, block, *(() if fed.outputs is None else (fed.outputs,)))
         if mark is not None:
             mark()
         self._fed, self._held = fed, plan.lengths
@@ -312,7 +316,7 @@ class SlotSession(DecodingSession):
         columns = tensors["columns"]
         one_image = self.batch_size == 1 and bool(plan.lengths.min() == plan.lengths.max())
         return Fed(plan.slots.shape[1], path_tokens, moved, one_image, tensors["positions"],
-                   columns, columns[:, None], tensors["slots"],
+                   columns, tensors["slots"],
                    *(tensors.get(name) for name in _OPTIONAL))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
@@ -467,7 +471,7 @@ class SlotSession(DecodingSession):
                              f"(B={self.batch_size}, T={fed.nodes}), one entry per fed node.")
         self._fed = None
         arguments = (to_device(mask, self.device, torch.bool), self.guided, fed,
-                     self.store.buffers(), self.mask.settle_arguments(fed.column_index.shape[2]))
+                     self.store.buffers(), self.mask.settle_arguments(fed.columns.shape[1]))
         self._kept = keep_entries(*arguments) if run is None else run(keep_entries, *arguments)
 
     def _keep_rows(self) -> None:
@@ -535,5 +539,5 @@ def keep_entries(keep: torch.Tensor, guided: bool, fed: Fed, cache: tuple[torch.
             compact_columns(cache, source[0], target[0])
         else:
             compact(cache, source, target)
-    settle(*mask, fed.column_index, kept)
+    settle(*mask, fed.columns[:, None], kept)
     return kept
