@@ -170,7 +170,7 @@ class CompiledNetwork(_PerShape):
         size keeps only whether it is contiguous of its strides."""
         layout = _layout_of(tensors)
         booked = next((graph for graph in self.shapes if _serves(graph, layout, tensors)), None)
-        if booked is not None:  # no size in it differs from the first call's but symbolic ones
+        if booked is not None:  # no size differs from its argument's first but symbolic ones
             return booked
         for argument, (shape, _) in enumerate(layout):  # torch keeps sizes per argument
             first_shape = self._first_shapes.setdefault(argument, shape)

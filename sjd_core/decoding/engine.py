@@ -118,11 +118,9 @@ class _Decoder:
         autoregression."""
         uniforms = self.random.uniform(1)
         cond, uncond = self.session.advance(self.anchor, self.done, self.recorder.clock.mark)
-        # a copy where compiled: a view of the stream starts wherever the stream has got to
         drawn = self._stage_runner((1, ()))(
             autoregressive, cond, uncond, self.sampling, self.guidance.at(self.committed),
-            uniforms if self.compiled_stages is None else uniforms.clone(), self.committed,
-            self.row_start, self.codes)
+            uniforms, self.committed, self.row_start, self.codes)
         if self.column_targets is not None:
             self._keep_column_targets(drawn.target)
         self.recorder.committed_slots(self.iteration, drawn.written, drawn.peak)

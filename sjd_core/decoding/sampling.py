@@ -183,7 +183,7 @@ class RowRandom:
     (:meth:`uniform`); every row takes the same amount per iteration whatever the batch, so
     image b of a batch draws the same numbers as the same seed generated alone, also after other
     rows have finished (:meth:`retain`); its codes then agree wherever the batched and single
-    logits agree. Handing out a block's next numbers is one slice, whatever the
+    logits agree. Handing out a block's next numbers is one slice and one copy, whatever the
     batch.
     """
 
@@ -196,14 +196,16 @@ class RowRandom:
         self.used = 0
 
     def uniform(self, count: int) -> torch.Tensor:
-        """(B, count) uniforms in (0, 1] (never 0, so ``u <= p / q`` needs ``p > 0``)."""
+        """(B, count) uniforms in (0, 1] (never 0, so ``u <= p / q`` needs ``p > 0``), in a
+        tensor of their own: a view into the buffer would start wherever the stream has got to,
+        and a compiled stage's graph would depend on that place."""
         if self.used + count > self.buffer.shape[1]:
             size = max(self.block, count)
             fresh = torch.empty(len(self.generators), size, device=self.device)
             for row, generator in zip(fresh, self.generators):
                 torch.rand(size, generator=generator, out=row)
             self.buffer, self.used = fresh.neg_().add_(1.0), 0
-        out = self.buffer[:, self.used:self.used + count]
+        out = self.buffer[:, self.used:self.used + count].clone()
         self.used += count
         return out
 
@@ -273,9 +275,7 @@ class IterationUniforms:
         ``window`` offsets over ``vocab`` codes. The amount depends only on that shape."""
         shapes = (("tests", (nodes, candidates)), ("final", ()), ("keep", (window,)),
                   ("draw", (window,)), ("init", (window,)), ("race", (levels, vocab)))
-        # a block of its own: a view into the stream's buffer starts wherever the stream has got
-        # to, and a compiled stage's graph would depend on that place
-        block = random.uniform(sum(math.prod(shape) for _, shape in shapes)).clone()
+        block = random.uniform(sum(math.prod(shape) for _, shape in shapes))
         return IterationUniforms(block, shapes)
 
 

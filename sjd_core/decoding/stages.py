@@ -24,7 +24,7 @@ from .sampling import IterationUniforms, exponential, process, sample
 from .settings import AccelerationSettings, SamplingSettings
 from .verify import BONUS, Verdict, verify_tree
 
-__all__ = ["Commit", "Drafted", "Drafts", "Outcome", "advance", "autoregressive", "commit",
+__all__ = ["Commit", "Drafts", "Drawn", "Outcome", "advance", "autoregressive", "commit",
            "conclude", "draft", "verify"]
 
 
@@ -162,7 +162,7 @@ def _host_read(committed: torch.Tensor, verdict: Verdict) -> torch.Tensor:
 
 
 @dataclass
-class Drafted:
+class Drawn:
     """What a plain autoregressive step leaves: its target, the code drawn from it and where
     that code went."""
 
@@ -175,11 +175,11 @@ class Drafted:
 
 def autoregressive(cond: torch.Tensor, uncond: torch.Tensor | None, sampling: SamplingSettings,
                    scale: float | torch.Tensor, uniforms: torch.Tensor, committed: torch.Tensor,
-                   row_start: torch.Tensor, codes: torch.Tensor) -> Drafted:
+                   row_start: torch.Tensor, codes: torch.Tensor) -> Drawn:
     """Plain autoregression after the network: the target of each row's next slot from the
     logits, one code drawn from it at ``uniforms`` (B, 1), written into ``codes`` (flat)."""
     target = process(cond, uncond, sampling, scale)
     token = sample(target, uniforms[:, 0])
     written = row_start + committed
     codes.index_put_((written,), token)
-    return Drafted(target, token, written, target.amax(-1), committed + 1)
+    return Drawn(target, token, written, target.amax(-1), committed + 1)

@@ -9,9 +9,8 @@ a GPU's host time follows, and this CPU can count them::
     python -m sjd_core.tools.eager_ops --modes ar --top 20
 
 Each mode runs on the engine tests' small synthetic model with ``compile`` and ``compile_stages``
-on: a few generations compile, then one runs
-under torch's profiler, which records every aten operation the host dispatches and every
-compiled region (torch names them "Torch-Compiled Region"). An operation counts when it runs
+on: a few generations compile, then one runs under torch's profiler, which records every aten
+operation the host dispatches and every compiled region (torch names them "Torch-Compiled Region"). An operation counts when it runs
 inside one iteration of the decoding loop (from one progress report to the next: the first
 iteration and what a generation does once, such as the prefill, are left out) and no compiled
 region and no other aten operation encloses it (an operation called by another is the caller's
@@ -24,10 +23,14 @@ import argparse
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from torch.profiler import record_function
 
 from .cli import set_threads
+
+if TYPE_CHECKING:
+    from ..decoding.engine import IterationReport
 
 MODES = ("ar", "sjd", "pac+vp", "auto")
 COMPILED_REGION = "Torch-Compiled Region"  # the profiler's name for a compiled region's run
@@ -98,7 +101,9 @@ class IterationSpans:
         self.open: record_function | None = None
         self.count = 0
 
-    def mark(self, report) -> None:
+    def mark(self, report: IterationReport) -> None:
+        """Close the span of the iteration ``report`` ends, and open the next one's unless every
+        image is finished."""
         if report.compiling:  # a note sent before an iteration, not the end of one
             return
         if self.open is not None:

@@ -86,10 +86,8 @@ from .host_reads import HostReads
 PROMPT = "a photograph of a red fox sitting in fresh snow at dawn, soft light, high detail"
 RESOLUTION = (768, 768)
 MODES = ("ar", "pac+vp", "auto")
-# how each mode runs: (compile, compile_stages)
-WAYS = {"ar": ((False, False), (True, False), (True, True)),
-        "pac+vp": ((False, False), (True, False), (True, True)),
-        "auto": ((False, False), (True, False), (True, True))}
+# how every mode runs: (compile, compile_stages): eager, compiled, and its stages compiled too
+WAYS = ((False, False), (True, False), (True, True))
 FILLS = {"empty": 0.0, "half": 0.5, "full": 1.0}  # share of the image's codes already cached
 FORWARD_NODES = 64  # the largest forward timed: a full cache leaves room for it
 SAMPLING = SamplingSettings(guidance=3.0, temperature=1.0, top_k=2000)
@@ -459,7 +457,7 @@ def measure_runs(model: ChameleonImageModel, table: dict, counts: tuple[int, int
     compiled codes compared with the eager ones, and the peak memory so far."""
     eager_codes, device = {}, model.device
     for preset in MODES:
-        for compiled, stages in WAYS[preset]:
+        for compiled, stages in WAYS:
             run = _attempt(lambda: run_mode(model, preset, compiled, *counts, stages))
             if "error" in run:
                 table["runs"].append({"mode": preset, "compiled": compiled, "stages": stages,

@@ -515,7 +515,6 @@ class SlotSession(DecodingSession):
         self._keep_rows()
 
 
-
 def keep_entries(keep: torch.Tensor, guided: bool, fed: Fed, cache: tuple[torch.Tensor, ...],
                  mask: tuple) -> torch.Tensor:
     """:meth:`SlotSession.keep`'s device work: the kept nodes ``keep`` (B, T) of the forward
