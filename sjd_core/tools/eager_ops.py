@@ -71,6 +71,7 @@ def outside_compiled(events, within: str = ITERATION) -> Counter:
 def count_mode(mode: str, warm_runs: int = 2) -> EagerOps:
     """Compile ``mode`` on the small synthetic model (``warm_runs`` generations), then count the
     eager operations of one more."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from ..decoding.engine import generate
@@ -84,6 +85,9 @@ def count_mode(mode: str, warm_runs: int = 2) -> EagerOps:
     if mode == "auto":  # its choice by forward passes: the same shapes on every machine
         settings = replace(settings, shape_cost="passes")
     request, sampling = GenerationRequest(prompt="a red fox"), SamplingSettings(guidance=2.0)
+    # from a clean slate: graphs the process compiled before count against torch's limit per
+    # function, past which it runs the function uncompiled
+    torch.compiler.reset()
     for seed in range(warm_runs):
         generate(model, request, sampling, settings, seed=seed)
     spans = IterationSpans()

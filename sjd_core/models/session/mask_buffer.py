@@ -4,11 +4,10 @@ One buffer ``(rows, 1, query_rows, capacity)`` in the mask's dtype: additive flo
 the dtype's most negative value = blocked, what transformers' eager and sdpa attention both
 read) or booleans (True = attend). Between forwards every query row of row ``r`` is the same:
 columns ``0 .. length_r - 1`` open (but a padded context's front), every column from
-``length_r`` on blocked, whatever stale entries the cache holds there. A forward attends through
-the buffer's first query rows at the full capacity (``view``), with the visibility among its fed
-tokens written into their columns there (:func:`write_block`, inside the network's call); a
-keep's ``settle`` then opens the columns of the kept tokens and blocks the others, for every
-query row, whatever the forward wrote there. Each of these writes only the fed
+``length_r`` on blocked, whatever stale entries the cache holds there. A forward writes the
+visibility among its fed tokens into their columns (:func:`write_block`) and attends through the
+buffer's first query rows at the full capacity (``view``); a keep's ``settle`` then opens the
+columns of the kept tokens and blocks the others, for every query row. Each of these writes only the fed
 tokens' columns, through an index tensor, never the cached prefix. Plain autoregression of rows
 in step keeps one code per row, all at one column (``open_column``): such columns are opened
 together, in one slice write, before the buffer is next read or written, so that steps that

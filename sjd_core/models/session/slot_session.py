@@ -157,22 +157,12 @@ class SlotSession(DecodingSession):
         return self._network
 
     def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor | None, columns: torch.Tensor | None,
-                      *block_and_outputs: torch.Tensor) -> torch.Tensor:
-        """The codebook logits of the fed tokens: :meth:`_hidden_states`, then the head, in the
-        one call that is compiled or captured per fed shape. A ``forward`` adds its tree's
-        ``block`` (R or 1, n, n mask values), written into ``mask`` at the fed ``columns`` first
-        (:func:`.mask_buffer.write_block`; captured, into the copy the graph reads: the keep
-        settles those columns of the buffer), and, where only some fed tokens give logits, the
-        ``outputs`` (R, n') that pick them."""
-        block, *outputs = block_and_outputs or (None,)
-        if block is not None and mask is not None:  # None: one token, which sees every column
-            write_block(mask, columns, block)
-        hidden = self._hidden_states(inputs, positions, mask, columns)
-        if outputs:
-            index = to_device(outputs[0], hidden.device)  # the last layers may sit elsewhere
-            hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self._logits(hidden)
+                      mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
+        """The codebook logits of every fed token: :meth:`_hidden_states`, then the head, in the
+        one call that is compiled or captured per fed shape. Every call takes the same four
+        arguments: torch counts the graphs of this one function against its limit per function
+        (``recompile_limit``), and calls that differ in their arguments compile graphs apart."""
+        return self._logits(self._hidden_states(inputs, positions, mask, columns))
 
     def _hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor,
                        mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
@@ -230,13 +220,16 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        block = tree_block if fed.visible is None else self.mask.values(fed.visible)
+        write_block(self.mask.view(plan.tokens), fed.columns,
+                    tree_block if fed.visible is None else self.mask.values(fed.visible))
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
         logits = self._network(inputs, fed.positions,
                                self._attention(plan.tokens, longest, plan.lengths.min() == longest),
-                               fed.columns, block, *(() if fed.outputs is None else (fed.outputs,)))
+                               fed.columns)
+        if fed.outputs is not None:  # the codes' logits, not the row ends'
+            logits = logits.gather(1, fed.outputs[..., None].expand(-1, -1, logits.shape[-1]))
         if mark is not None:
             mark()
         self._fed, self._held = fed, plan.lengths
