@@ -47,7 +47,7 @@ __all__ = ["MAX_CAPTURED_SHAPES", "CapturedNetwork", "CompiledNetwork", "Compile
 
 MAX_CAPTURED_SHAPES = 8  # CUDA graphs recorded per generation; later shapes run eagerly
 
-Network = Callable[..., torch.Tensor]  # (inputs, positions, mask, columns) -> logits
+Network = Callable[..., torch.Tensor]  # (inputs, layout, mask, block) -> logits
 
 
 def backend(device: torch.device) -> str:

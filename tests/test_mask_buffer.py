@@ -50,3 +50,20 @@ def test_a_larger_buffer_keeps_the_columns_opened_before_it_grew():
     mask.reserve(3, CAPACITY + 4)
     expected = torch.cat([columns(0, 1, 2), torch.zeros(4, dtype=torch.bool)])
     assert torch.equal(open_columns(mask), expected.expand(1, 1, 3, CAPACITY + 4))
+
+
+def test_a_one_token_view_opens_first_the_columns_its_query_row_does_not_show_yet():
+    """Plain autoregression's steps that read the mask write their own column open in query row
+    0 (their block): the next one-token view leaves the other query rows for later; a column
+    opened by a step that did not read the mask is opened before any view shows it."""
+    mask = MaskBuffer(torch.tensor([3]), 3, CAPACITY, torch.bool, torch.device("cpu"))
+    first_query = mask.view(1)
+    for column in (3, 4):
+        first_query[..., column] = True  # as a step's block writes it
+        mask.open_column(column, open_in_first_query=True)
+    assert torch.equal(mask.view(1)[0, 0], columns(0, 1, 2, 3, 4)[None])
+    assert torch.equal(mask._buffer[0, 0, 1:], columns(0, 1, 2).expand(2, CAPACITY))  # not yet
+    assert torch.equal(mask.view(2)[0, 0], columns(0, 1, 2, 3, 4).expand(2, CAPACITY))
+    mask.open_column(5)  # a step that attended without the mask
+    assert torch.equal(mask.view(1)[0, 0], columns(0, 1, 2, 3, 4, 5)[None])
+    assert torch.equal(open_columns(mask), columns(0, 1, 2, 3, 4, 5).expand(1, 1, 3, CAPACITY))

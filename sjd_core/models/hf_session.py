@@ -166,11 +166,12 @@ class HFSession(SlotSession):
             x = torch.cat([x, x])
         if fed is None:
             return x
-        if fed.starting is not None:
-            x[:, 0] = torch.where(fed.starting[:, None], self._start, x[:, 0])
-        if fed.token_node is not None:
-            x = x.gather(1, fed.token_node[..., None].expand(-1, -1, x.shape[-1]))
-            x = torch.where(fed.row_end[..., None], self._row_end, x)
+        starting, token_node = fed.part("starting"), fed.part("token_node")
+        if starting is not None:
+            x[:, 0] = torch.where(starting[:, None], self._start, x[:, 0])
+        if token_node is not None:
+            x = x.gather(1, token_node[..., None].expand(-1, -1, x.shape[-1]))
+            x = torch.where(fed.part("row_end")[..., None], self._row_end, x)
         return x
 
     def _run(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None

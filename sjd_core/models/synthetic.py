@@ -71,8 +71,9 @@ class SyntheticSession(SlotSession):
 
     def _inputs(self, codes: torch.Tensor, fed: Fed | None) -> torch.Tensor:
         tokens = torch.cat([codes, codes]) if self.guided else codes
-        if fed is not None and fed.starting is not None:  # node 0 of these rows is the slot -1 token: the begin token
-            first = torch.where(fed.starting, self.model.begin_token, tokens[:, 0])
+        starting = None if fed is None else fed.part("starting")
+        if starting is not None:  # node 0 of these rows is the slot -1 token: the begin token
+            first = torch.where(starting, self.model.begin_token, tokens[:, 0])
             tokens = torch.cat([first[:, None], tokens[:, 1:]], 1)
         return tokens
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..transfer import host_to_device
+from ..transfer import host_to_device, pack
 
 __all__ = ["HostReads"]
 
-_HOST_TO_DEVICE = host_to_device.__code__
+_ONE_PATH = (host_to_device.__code__, pack.__code__)  # host data's way to the device
 
 
 class HostReads(TorchFunctionMode):
@@ -28,7 +28,7 @@ class HostReads(TorchFunctionMode):
     ``asarray``, ``new_tensor``), or a host tensor (not a single number) used in an operation
     with device tensors (on CUDA an index copied over, or an error). It does not block when it is
     ``non_blocking`` from pinned memory, and nothing inside :func:`sjd_core.transfer.host_to_device`
-    (the one path for host data) counts.
+    or :func:`~sjd_core.transfer.pack` (the one path for host data) counts.
 
     Which memory is the host's:
 
@@ -242,10 +242,11 @@ class HostReads(TorchFunctionMode):
 
 
 def _inside_host_to_device() -> bool:
-    """Whether the caller runs inside :func:`sjd_core.transfer.host_to_device`."""
+    """Whether the caller runs inside :func:`sjd_core.transfer.host_to_device` or
+    :func:`~sjd_core.transfer.pack`."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _HOST_TO_DEVICE:
+        if frame.f_code in _ONE_PATH:
             return True
         frame = frame.f_back
     return False

@@ -11,7 +11,8 @@ columns of the kept tokens and blocks the others, for every query row. Each of t
 tokens' columns, through an index tensor, never the cached prefix. Plain autoregression of rows
 in step keeps one code per row, all at one column (``open_column``): such columns are opened
 together, in one slice write, before the buffer is next read or written, so that steps that
-attend without the mask pay nothing for it.
+attend without the mask pay nothing for it; a step that reads the mask writes its own column
+open in the one query row it reads (its block), so the next such step need not open it first.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class MaskBuffer:
         boolean = dtype == torch.bool
         self._open, self._blocked = (True, False) if boolean else (0.0, torch.finfo(dtype).min)
         self._opening: tuple[int, int] | None = None  # columns to open in every row: from, to
+        self._first_query_behind = False  # whether some of them are not open in query row 0
         self._choices = tuple(torch.tensor(value, dtype=dtype, device=device)
                               for value in (self._open, self._blocked))
         columns = torch.arange(capacity, device=device)
@@ -67,8 +69,12 @@ class MaskBuffer:
         return mask_values(allowed, self.choices)
 
     def view(self, tokens: int) -> torch.Tensor:
-        """The (rows, 1, tokens, capacity) mask of a forward feeding ``tokens`` tokens."""
-        return self.buffer[:, :, :tokens]
+        """The (rows, 1, tokens, capacity) mask of a forward feeding ``tokens`` tokens. A
+        forward of one token reads query row 0 only: the columns ``open_column`` recorded are
+        opened first only where some are not open there already."""
+        if tokens > 1 or self._first_query_behind:
+            self._open_pending()
+        return self._buffer[:, :, :tokens]
 
     def settle(self, columns: torch.Tensor, kept: torch.Tensor) -> None:
         """:func:`settle` on this buffer."""
@@ -97,14 +103,16 @@ class MaskBuffer:
         larger[:, :, :, :old_capacity] = settled
         self._set(larger)
 
-    def open_column(self, column: int) -> None:
+    def open_column(self, column: int, open_in_first_query: bool = False) -> None:
         """Open ``column`` of every row to every query (a code each row keeps there at once);
-        columns opened one after another are written together, when the buffer is next used."""
-        if self._opening is not None and self._opening[1] == column:
-            self._opening = (self._opening[0], column + 1)
-            return
-        self._open_pending()
-        self._opening = (column, column + 1)
+        columns opened one after another are written together, when the buffer is next used.
+        ``open_in_first_query``: the forward that fed the code wrote the column open in query
+        row 0 already (see :meth:`view`)."""
+        if self._opening is None or self._opening[1] != column:
+            self._open_pending()
+            self._opening = (column, column)
+        self._opening = (self._opening[0], column + 1)
+        self._first_query_behind |= not open_in_first_query
 
     def _rows(self) -> torch.Tensor:
         """The buffer's (rows, query_rows, capacity) view to write through, every column opened
@@ -116,7 +124,7 @@ class MaskBuffer:
         """Write the columns ``open_column`` recorded, in one slice."""
         if self._opening is not None:
             start, end = self._opening
-            self._opening = None
+            self._opening, self._first_query_behind = None, False
             self._buffer[..., start:end] = self._open
 
     def _set(self, buffer: torch.Tensor) -> None:

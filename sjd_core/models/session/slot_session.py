@@ -41,32 +41,40 @@ from ...compiled import CapturedNetwork, CompiledNetwork, compile_network
 from .kv_store import KVStore, compact, compact_columns
 from .mask_buffer import MaskBuffer, settle, write_block
 from .token_layout import FedLayout, GridLayout
-from ...transfer import host_to_device, to_device
+from ...transfer import Packed, host_to_device, pack, to_device
 
-__all__ = ["Fed", "SlotSession", "keep_entries"]
+__all__ = ["Fed", "SlotSession", "fed_places", "keep_entries"]
 
 
 @dataclass
 class Fed:
-    """The device-side layout of the last forward (see :class:`.token_layout.FedLayout`)."""
+    """The device-side layout of the last forward (see :class:`.token_layout.FedLayout`).
+
+    Its arrays travel as one packed tensor (``layout``), each read through :meth:`part`:
+    ``positions`` and ``columns`` (R, tokens) first (what the network call takes, see
+    :func:`fed_places`), then ``slots`` (B, T), the slots the layout assumes for the conditional
+    rows; where they apply, ``starting`` (R,), rows whose node 0 is the slot -1 token, and
+    ``expected_kept`` (R,), tokens the last keep must have kept; with row ends,
+    ``token_node``, ``real``, ``row_end``, ``outputs`` and ``visible`` of the layout.
+    """
 
     nodes: int
+    tokens: int  # tokens per row
     path_tokens: int  # the most tokens a row can keep: a path, one node per depth
     moved: slice | None  # the kept columns that may have to move (None: none ever moves)
     one_image: bool  # rows in step that keep the same nodes: one image (and its uncond row)
-    positions: torch.Tensor
-    columns: torch.Tensor  # (R, tokens)
-    slots: torch.Tensor  # (B, T) the slots the layout assumes for the conditional rows
-    expected_kept: torch.Tensor | None  # (R,) tokens the last keep must have kept
-    starting: torch.Tensor | None  # (R,) rows whose node 0 is the slot -1 token
-    token_node: torch.Tensor | None
-    real: torch.Tensor | None
-    row_end: torch.Tensor | None
-    outputs: torch.Tensor | None
-    visible: torch.Tensor | None
+    layout: Packed
+
+    def part(self, name: str) -> torch.Tensor | None:
+        """The layout's array ``name``, None where this forward has none."""
+        return self.layout.part(name)
 
 
-_OPTIONAL = ("expected_kept", "starting", "token_node", "real", "row_end", "outputs", "visible")
+def fed_places(layout: torch.Tensor, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions and the cache columns (rows, tokens) of the fed tokens, at the front of a
+    forward's packed ``layout`` (:class:`Fed`)."""
+    positions, columns = layout[: 2 * rows * tokens].view(2, rows, tokens).unbind()
+    return positions, columns
 
 
 def _without_grad(method: Callable) -> Callable:
@@ -122,6 +130,8 @@ class SlotSession(DecodingSession):
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
+        # the mask block of a forward of one token per row: it sees itself
+        self._one_block = self.mask.values(torch.ones((1, 1, 1), dtype=torch.bool, device=self.device))
         self._network = self._network_step  # the network call of forward and advance
         self._first_column: int | None = None  # where a slice write starts (see _attention)
         self._keep_rows()
@@ -156,12 +166,20 @@ class SlotSession(DecodingSession):
                                         lambda: self.store.settled, self.store.buffers)
         return self._network
 
-    def _network_step(self, inputs: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor | None, columns: torch.Tensor | None) -> torch.Tensor:
-        """The codebook logits of every fed token: :meth:`_hidden_states`, then the head, in the
-        one call that is compiled or captured per fed shape. Every call takes the same four
-        arguments: torch counts the graphs of this one function against its limit per function
-        (``recompile_limit``), and calls that differ in their arguments compile graphs apart."""
+    def _network_step(self, inputs: torch.Tensor, layout: torch.Tensor,
+                      mask: torch.Tensor | None, block: torch.Tensor | None) -> torch.Tensor:
+        """The codebook logits of every fed token, in the one call that is compiled or captured
+        per fed shape: what the fed tokens see of each other (``block``, mask values (R or 1,
+        tokens, tokens)) written into ``mask`` at their columns, :meth:`_hidden_states`, then the
+        head. ``layout``: the forward's packed layout (:class:`Fed`), of which the network
+        reads the positions and columns; ``mask`` None (no block): see ``_attention``.
+
+        Every call takes the same four arguments: torch counts the graphs of this one function
+        against its limit per function (``recompile_limit``), and calls that differ in their
+        arguments compile graphs apart."""
+        positions, columns = fed_places(layout, inputs.shape[0], inputs.shape[1])
+        if mask is not None:
+            write_block(mask, columns, block)
         return self._logits(self._hidden_states(inputs, positions, mask, columns))
 
     def _hidden_states(self, inputs: torch.Tensor, positions: torch.Tensor,
@@ -220,22 +238,27 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        write_block(self.mask.view(plan.tokens), fed.columns,
-                    tree_block if fed.visible is None else self.mask.values(fed.visible))
+        visible = fed.part("visible")
+        block = tree_block if visible is None else self.mask.values(visible)
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
-        logits = self._network(inputs, fed.positions,
-                               self._attention(plan.tokens, longest, plan.lengths.min() == longest),
-                               fed.columns)
-        if fed.outputs is not None:  # the codes' logits, not the row ends'
-            logits = logits.gather(1, fed.outputs[..., None].expand(-1, -1, logits.shape[-1]))
+        mask = self._attention(plan.tokens, longest, plan.lengths.min() == longest)
+        logits = self._network(inputs, fed.layout.flat, mask, None if mask is None else block)
+        outputs = fed.part("outputs")
+        if outputs is not None:  # the codes' logits, not the row ends'
+            logits = logits.gather(1, outputs[..., None].expand(-1, -1, logits.shape[-1]))
         if mark is not None:
             mark()
         self._fed, self._held = fed, plan.lengths
         self._expected, self._in_step = None, False
+        return self._by_guidance(logits)
+
+    def _by_guidance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conditional rows' ``logits`` and the unconditional ones' (None without guidance)."""
         if self.guided:
-            return logits[: self.batch_size], logits[self.batch_size:]
+            cond, uncond = logits.chunk(2)
+            return cond, uncond
         return logits, None
 
     def _check_inputs(self, codes: torch.Tensor, slots: torch.Tensor, ancestors: torch.Tensor,
@@ -294,8 +317,9 @@ class SlotSession(DecodingSession):
 
     def _to_device(self, plan: FedLayout, starting: np.ndarray | None, path_tokens: int,
                    moved: slice | None) -> Fed:
-        """The layout's arrays on the device; ``starting`` (rows,) marks rows whose node 0 is the
-        slot -1 token (None: no row); ``path_tokens`` and ``moved`` as in :class:`Fed`."""
+        """The layout's arrays on the device, packed (:class:`Fed`); ``starting`` (rows,) marks
+        rows whose node 0 is the slot -1 token (None: no row); ``path_tokens`` and ``moved`` as
+        in :class:`Fed`."""
         arrays = {"positions": plan.positions, "columns": plan.columns,
                   "slots": plan.slots[: self.batch_size]}
         if starting is not None:
@@ -305,12 +329,9 @@ class SlotSession(DecodingSession):
         if plan.token_node is not None:
             arrays.update(token_node=plan.token_node, real=plan.real, row_end=plan.row_end,
                           outputs=plan.outputs, visible=plan.visible)
-        tensors = host_to_device(arrays, self.device)
-        columns = tensors["columns"]
         one_image = self.batch_size == 1 and bool(plan.lengths.min() == plan.lengths.max())
-        return Fed(plan.slots.shape[1], path_tokens, moved, one_image, tensors["positions"],
-                   columns, tensors["slots"],
-                   *(tensors.get(name) for name in _OPTIONAL))
+        return Fed(plan.slots.shape[1], plan.tokens, path_tokens, moved, one_image,
+                   pack(arrays, self.device))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
         """Under the tests' device checks (:mod:`sjd_core.checks`), fail when the slots or
@@ -318,9 +339,10 @@ class SlotSession(DecodingSession):
         from what it committed; a check would cost every forward a wait for the device."""
         if not checks.DEVICE_CHECKS:
             return
-        continues = bool((to_device(slots, self.device) == fed.slots).all())
-        if fed.expected_kept is not None:
-            continues &= bool((self._kept == fed.expected_kept).all())
+        continues = bool((to_device(slots, self.device) == fed.part("slots")).all())
+        expected_kept = fed.part("expected_kept")
+        if expected_kept is not None:
+            continues &= bool((self._kept == expected_kept).all())
         if not continues:
             raise RuntimeError("forward: slots and committed do not continue the cache: node 0 "
                                "must sit at slot committed[b] - 1, every node at that slot plus "
@@ -366,44 +388,38 @@ class SlotSession(DecodingSession):
         advance, and no code fed ends a grid row: no layout, only each row's next column (see
         :meth:`_next_columns`)."""
         in_step = committed.count(committed[0]) == len(committed)
-        held, columns, offsets = self._next_columns(committed, in_step)
-        positions = self._start_positions + offsets
+        held, layout = self._next_columns(committed, in_step)
         inputs = self._inputs(to_device(codes[:, None], self.device), None)
         if mark is not None:
             mark()
         mask = self._attention(1, int(held.max()), in_step)
-        if columns is None and self._first_column is None:  # written through an index tensor
-            columns = torch.full((len(held), 1), int(held[0]), device=self.device)
-        logits = self._network(inputs, positions, mask, columns)[:, 0]
+        if in_step:  # kept at once; a network that reads the mask writes the column open there
+            # (a captured one into its graph's own copy of the mask)
+            written = mask is not None and not isinstance(self._network, CapturedNetwork)
+            self.mask.open_column(int(held[0]), open_in_first_query=written)
+        logits = self._network(inputs, layout.flat, mask, None if mask is None else self._one_block)
         if mark is not None:
             mark()
         self._held, self._kept = held, self._kept_one
         self._continue_from(committed)
-        if self.guided:
-            return logits[: self.batch_size], logits[self.batch_size:]
-        return logits, None
+        return self._by_guidance(logits[:, 0])
 
-    def _next_columns(self, committed: list[int], in_step: bool
-                      ) -> tuple[np.ndarray, torch.Tensor | None, torch.Tensor | int]:
+    def _next_columns(self, committed: list[int], in_step: bool) -> tuple[np.ndarray, Packed]:
         """Each cached sequence's length ``held`` (R,) after ``committed`` slots per row, which
-        is the column of its next code, opened in the mask (the code is kept at once); that
-        column (R, 1) on the device; and how far past its slot -1 token the code sits (R, 1 or
-        a number). Every row's prefix is as long, so rows in step (``in_step``: every count the
-        same) share one column: host integers, no column tensor (made only where the network
-        writes through one), the column opened with the ones before it
-        (:meth:`.MaskBuffer.open_column`); rows out of step send theirs in one copy."""
-        if in_step:
-            column = int(self.layout.cached_length(committed[0])[0])
-            self.mask.open_column(column)
-            return (np.full(len(self.layout.prefix), column), None,
-                    int(self.layout.code_offset(committed[0] - 1)))
-        counts = self._sequence_counts(np.asarray(committed))
-        held = self.layout.cached_length(counts)
-        places = host_to_device({"columns": held.reshape(-1, 1),
-                                 "offsets": self.layout.code_offset(counts - 1).reshape(-1, 1)},
-                                self.device)  # contiguous, as a compiled network's graph wants
-        self.mask.settle(places["columns"][:, None], self._kept_one)
-        return held, places["columns"], places["offsets"]
+        is the column of its next code; and the layout of the forward that feeds the codes
+        there (positions and columns, (R, 1)). Every row's prefix is as long, so rows in step
+        (``in_step``: every count the same) share one column, which the caller opens with the
+        ones before it (:meth:`.MaskBuffer.open_column`); rows out of step open theirs here, in
+        the mask, through the layout's columns (the codes are kept at once)."""
+        counts = (np.int64(committed[0]) if in_step
+                  else self._sequence_counts(np.asarray(committed, dtype=np.int64)))
+        held = self.layout.cached_length(counts)  # (R,) either way: the prefixes are as long
+        offsets = self.layout.code_offset(counts - 1)
+        layout = pack({"positions": (self.layout.start + offsets)[:, None],
+                       "columns": held[:, None]}, self.device)
+        if not in_step:
+            self.mask.settle(layout.part("columns")[:, None], self._kept_one)
+        return held, layout
 
     def _attention(self, tokens: int, longest: int, in_step: bool) -> torch.Tensor | None:
         """The mask of a forward feeding ``tokens`` tokens per row after rows of at most
@@ -464,17 +480,14 @@ class SlotSession(DecodingSession):
                              f"(B={self.batch_size}, T={fed.nodes}), one entry per fed node.")
         self._fed = None
         arguments = (to_device(mask, self.device, torch.bool), self.guided, fed,
-                     self.store.buffers(), self.mask.settle_arguments(fed.columns.shape[1]))
+                     self.store.buffers(), self.mask.settle_arguments(fed.tokens))
         self._kept = keep_entries(*arguments) if run is None else run(keep_entries, *arguments)
 
     def _keep_rows(self) -> None:
-        """The keep mask of one node, the kept counts of an advance and the positions of the
-        rows' slot -1 tokens, for the current rows."""
+        """The keep mask of one node and the kept counts of an advance, for the current rows."""
         self._keep_one = torch.ones(self.batch_size, 1, dtype=torch.bool, device=self.device)
         rows = 2 * self.batch_size if self.guided else self.batch_size
         self._kept_one = torch.ones(rows, dtype=torch.int64, device=self.device)
-        self._start_positions = host_to_device({"start": self.layout.start[:, None]},
-                                               self.device)["start"]
 
     def _drop_unkept(self) -> None:
         """Throw away the last forward if nobody called keep after it."""
@@ -516,20 +529,22 @@ def keep_entries(keep: torch.Tensor, guided: bool, fed: Fed, cache: tuple[torch.
     sequence kept (R,). Plain tensor code, so that a compiled stage can run it."""
     if guided:
         keep = torch.cat([keep, keep])
-    if fed.token_node is not None:
-        keep = keep.gather(1, fed.token_node) & fed.real
+    token_node = fed.part("token_node")
+    if token_node is not None:
+        keep = keep.gather(1, token_node) & fed.part("real")
     kept = keep.sum(1)
     if fed.nodes > 1:  # one node keeps all its tokens or none: they are already in place
         kept = kept.clamp_max(fed.path_tokens)  # more fails the next forward's check
+    fed_columns = fed.part("columns")
     if fed.moved is not None:
         # one image: every row moves the same columns, so row 0 says which, for all rows
         rows = slice(0, 1) if fed.one_image else slice(None)
-        columns = fed.columns[rows]
+        columns = fed_columns[rows]
         order = torch.argsort((~keep[rows]).to(torch.int8), dim=1, stable=True)[:, fed.moved]
         source, target = columns.gather(1, order), columns[:, fed.moved]
         if fed.one_image:
             compact_columns(cache, source[0], target[0])
         else:
             compact(cache, source, target)
-    settle(*mask, fed.columns[:, None], kept)
+    settle(*mask, fed_columns[:, None], kept)
     return kept
