@@ -1,6 +1,6 @@
 """Getting tensors where the decoding needs them without waiting for the device.
 
-Both run on the hot path of every iteration: a tensor already in place is returned as it is, and
+They run on the hot path of every iteration: a tensor already in place is returned as it is, and
 host data reaches the device in one copy that the host does not wait for.
 """
 

@@ -13,7 +13,10 @@ Per forward the session reads nothing back from the device: the committed counts
 caller, the tree's depths are read once per tree (the engine builds one per generation; a single
 node needs no read). Its own work is a fixed number of tensor operations on the fed tokens only,
 whatever the length of the cached prefix. Plain autoregression's ``advance`` (one code per row,
-kept at once) skips most of it between row ends.
+kept at once) skips most of it between row ends. The layout reaches the device as one packed
+tensor (:class:`Fed`), and the network's call, the one compiled or captured, reads the positions
+and columns from it and writes the fed tokens' mask block itself: a compiled forward dispatches
+only a few operations outside compiled code.
 
 Static shapes: compiled (``compile_network``), inside the network every tensor's shape depends
 only on the fed shape (rows, tokens): forwards attend through the mask buffer read at the
