@@ -35,7 +35,7 @@ from sjd_core.decoding.settings import AccelerationSettings, SamplingSettings
 from sjd_core.models.protocol import GenerationRequest
 from sjd_core.models.reference import WEIGHTS_DIR, ReferenceModel
 from sjd_core.tools.host_reads import HostReads
-from sjd_core.transfer import host_to_device, to_device
+from sjd_core.transfer import host_to_device, pack, to_device
 
 # the all-zero check of every draw is a read: off here
 pytestmark = pytest.mark.usefixtures("without_device_checks")
@@ -187,6 +187,7 @@ def test_the_counter_sees_waits_the_cpu_would_hide():
         copies = waits.blocking_copies
         sent = host_to_device({"rows": np.arange(4), "mask": np.ones(2, dtype=bool)}, device)
         sent["rows"] + x  # host_to_device's tensors are the device's
+        pack({"rows": np.arange(4)}, device).part("rows") + x  # and pack's
         to_device(x, device)
         host = torch.tensor([3, 1, 2])  # host tensors: reading them waits for nothing
         host.tolist()
@@ -212,3 +213,17 @@ def test_the_counter_sees_reads_of_any_tensor_by_default():
         with pytest.raises(TypeError):  # another device's is one (numpy refuses it)
             torch.empty(2, device="meta").numpy()
     assert reads.count == 6
+
+
+def test_packed_arrays_come_back_as_they_were_from_one_tensor():
+    """``pack`` sends host arrays as one int64 tensor; each array comes back with its shape,
+    booleans as booleans, and an array not packed as None."""
+    arrays = {"positions": np.arange(6).reshape(2, 3), "real": np.array([[True], [False]]),
+              "slots": np.array([[-1, 7]])}
+    packed = pack(arrays, torch.device("cpu"))
+    assert packed.flat.shape == (10,) and packed.flat.dtype == torch.int64
+    for name, array in arrays.items():
+        part = packed.part(name)
+        assert part.dtype == (torch.bool if array.dtype == bool else torch.int64), name
+        assert np.array_equal(part.numpy(), array), name
+    assert packed.part("visible") is None
