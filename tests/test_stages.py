@@ -90,3 +90,23 @@ def test_each_stage_traces_as_one_graph_and_gives_the_engines_result(model, mode
     with torch.inference_mode():
         result = traced(*args, **kwargs)
     _same((result, args, kwargs), kept["outputs"])
+
+
+def test_an_autoregressive_step_keeps_each_rows_target_as_its_columns_latest():
+    """``above_target`` drafts start from the target of the slot above: a plain autoregressive
+    step writes each row's target into the column of the slot it draws (rows at different
+    columns included), and nothing into any other column."""
+    width, vocab = 4, 6
+    logits = torch.randn(2, vocab)
+    committed = torch.tensor([1, 6])  # the slots drawn now: columns 1 and 2
+    codes = torch.zeros(2 * 17, dtype=torch.long)
+    column_targets = torch.full((2, width + 1, vocab), -1.0)
+    drawn = stages.autoregressive(logits, None, SamplingSettings(), 1.0, torch.rand(2, 1),
+                                  committed, torch.tensor([0, 17]), codes, column_targets, width)
+    target = torch.softmax(logits, -1)
+    assert torch.allclose(column_targets[0, 1], target[0]) and torch.allclose(column_targets[1, 2], target[1])
+    untouched = torch.ones(2, width + 1, dtype=torch.bool)
+    untouched[0, 1] = untouched[1, 2] = False
+    assert bool((column_targets[untouched] == -1.0).all())
+    assert torch.equal(drawn.committed, committed + 1)
+    assert torch.equal(codes[drawn.written], drawn.token)

@@ -120,26 +120,14 @@ class _Decoder:
         cond, uncond = self.session.advance(self.anchor, self.done, self.recorder.clock.mark)
         drawn = self._stage_runner((1, ()))(
             autoregressive, cond, uncond, self.sampling, self.guidance.at(self.committed),
-            uniforms, self.committed, self.row_start, self.codes)
-        if self.column_targets is not None:
-            self._keep_column_targets(drawn.target)
+            uniforms, self.committed, self.row_start, self.codes, self.column_targets,
+            self.width)
         self.recorder.committed_slots(self.iteration, drawn.written, drawn.peak)
         self.committed, self.anchor = drawn.committed, drawn.token
         self.state = None
         self.done = [d + 1 for d in self.done]
         self.siblings = (0, 0)
         return [1] * len(self.rows)
-
-    def _keep_column_targets(self, target: torch.Tensor) -> None:
-        """Each row's ``target``, for the slot it commits now, as its column's (the
-        ``above_target`` drafts of the row below start from it). Where the rows are at one
-        column, as always at batch 1, that is one plain slice copy."""
-        columns = {done % self.width for done in self.done}
-        if len(columns) == 1:
-            self.column_targets[:, columns.pop()] = target
-        else:
-            self.column_targets[torch.arange(len(self.rows), device=self.device),
-                                self.committed % self.width] = target
 
     def speculative_step(self, tree: DraftTree) -> list[int]:
         """Draft the window as ``tree``, feed it, then verify it, commit the accepted path and

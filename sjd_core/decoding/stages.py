@@ -163,10 +163,8 @@ def _host_read(committed: torch.Tensor, verdict: Verdict) -> torch.Tensor:
 
 @dataclass
 class Drawn:
-    """What a plain autoregressive step leaves: its target, the code drawn from it and where
-    that code went."""
+    """What a plain autoregressive step leaves: the code drawn and where it went."""
 
-    target: torch.Tensor  # (B, V)
     token: torch.Tensor  # (B,) the code drawn, now each row's last committed code
     written: torch.Tensor  # (B,) its flat index into the codes
     peak: torch.Tensor  # (B,) the target's largest probability (for the trace)
@@ -175,11 +173,16 @@ class Drawn:
 
 def autoregressive(cond: torch.Tensor, uncond: torch.Tensor | None, sampling: SamplingSettings,
                    scale: float | torch.Tensor, uniforms: torch.Tensor, committed: torch.Tensor,
-                   row_start: torch.Tensor, codes: torch.Tensor) -> Drawn:
+                   row_start: torch.Tensor, codes: torch.Tensor,
+                   column_targets: torch.Tensor | None, width: int) -> Drawn:
     """Plain autoregression after the network: the target of each row's next slot from the
-    logits, one code drawn from it at ``uniforms`` (B, 1), written into ``codes`` (flat)."""
+    logits, one code drawn from it at ``uniforms`` (B, 1), written into ``codes`` (flat); where
+    an init rule needs it, the target as its column's latest in ``column_targets``."""
     target = process(cond, uncond, sampling, scale)
     token = sample(target, uniforms[:, 0])
     written = row_start + committed
     codes.index_put_((written,), token)
-    return Drawn(target, token, written, target.amax(-1), committed + 1)
+    if column_targets is not None:
+        column_targets.view(-1, column_targets.shape[-1]).index_copy_(
+            0, flat_rows((committed % width)[:, None], column_targets.shape[1]), target)
+    return Drawn(token, written, target.amax(-1), committed + 1)
