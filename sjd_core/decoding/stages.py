@@ -183,6 +183,6 @@ def autoregressive(cond: torch.Tensor, uncond: torch.Tensor | None, sampling: Sa
     written = row_start + committed
     codes.index_put_((written,), token)
     if column_targets is not None:
-        column_targets.view(-1, column_targets.shape[-1]).index_copy_(
-            0, flat_rows((committed % width)[:, None], column_targets.shape[1]), target)
+        rows = torch.arange(len(committed), device=committed.device)
+        column_targets.index_put_((rows, committed % width), target)
     return Drawn(token, written, target.amax(-1), committed + 1)
