@@ -58,7 +58,8 @@ class Fed:
     :func:`fed_places`), then ``slots`` (B, T), the slots the layout assumes for the conditional
     rows; where they apply, ``starting`` (R,), rows whose node 0 is the slot -1 token, and
     ``expected_kept`` (R,), tokens the last keep must have kept; with row ends,
-    ``token_node``, ``real``, ``row_end``, ``outputs`` and ``visible`` of the layout.
+    ``token_node``, ``real``, ``row_end`` and ``outputs`` of the layout (its ``visible``
+    travels as mask values, see ``SlotSession._visible_block``).
     """
 
     nodes: int
@@ -78,6 +79,9 @@ def fed_places(layout: torch.Tensor, rows: int, tokens: int) -> tuple[torch.Tens
     forward's packed ``layout`` (:class:`Fed`)."""
     positions, columns = layout[: 2 * rows * tokens].view(2, rows, tokens).unbind()
     return positions, columns
+
+
+_VISIBLE_BLOCKS = 128  # row-end forwards' mask blocks a session keeps (see _visible_block)
 
 
 def _without_grad(method: Callable) -> Callable:
@@ -130,6 +134,7 @@ class SlotSession(DecodingSession):
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
+        self._visible_blocks: dict[tuple, torch.Tensor] = {}  # see _visible_block
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
@@ -241,8 +246,7 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        visible = fed.part("visible")
-        block = tree_block if visible is None else self.mask.values(visible)
+        block = tree_block if plan.visible is None else self._visible_block(plan.visible)
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
@@ -310,6 +314,20 @@ class SlotSession(DecodingSession):
         self._trees.append((weakref.ref(ancestors), version, shape))
         return shape
 
+    def _visible_block(self, visible: np.ndarray) -> torch.Tensor:
+        """The mask values of what each token of a forward that feeds row ends sees of the
+        others (``visible``, (R, tokens, tokens) host booleans), made on the device once per
+        distinct pattern: a tree's nodes end grid rows in at most as many ways as a grid row
+        has codes, so most forwards find theirs made (the last ``_VISIBLE_BLOCKS`` are kept)."""
+        key = (visible.shape, visible.tobytes())
+        block = self._visible_blocks.pop(key, None)
+        if block is None:
+            block = self.mask.values(host_to_device({"visible": visible}, self.device)["visible"])
+        self._visible_blocks[key] = block  # the newest last
+        if len(self._visible_blocks) > _VISIBLE_BLOCKS:
+            del self._visible_blocks[next(iter(self._visible_blocks))]
+        return block
+
     def _reserve(self, plan: FedLayout) -> None:
         """Enlarge cache and mask when a forward feeds more tokens than they were sized for."""
         if plan.tokens > self.mask.query_rows or plan.width > self.store.capacity:
@@ -331,7 +349,7 @@ class SlotSession(DecodingSession):
             arrays["expected_kept"] = plan.lengths - self._held
         if plan.token_node is not None:
             arrays.update(token_node=plan.token_node, real=plan.real, row_end=plan.row_end,
-                          outputs=plan.outputs, visible=plan.visible)
+                          outputs=plan.outputs)
         one_image = self.batch_size == 1 and bool(plan.lengths.min() == plan.lengths.max())
         return Fed(plan.slots.shape[1], plan.tokens, path_tokens, moved, one_image,
                    pack(arrays, self.device))
