@@ -10,11 +10,11 @@ a GPU's host time follows, and this CPU can count them::
 
 Each mode runs on the engine tests' small synthetic model with ``compile`` and ``compile_stages``
 on: a few generations compile, then one runs under torch's profiler, which records every aten
-operation the host dispatches and every compiled region (torch names them "Torch-Compiled
-Region"). An operation counts when it runs inside one iteration of the decoding loop (from one
-progress report to the next: the first iteration and what a generation does once, such as the
-prefill, are left out) and no compiled region and no other aten operation encloses it (an
-operation called by another is the caller's work).
+operation the host dispatches and every compiled region (torch names them "Torch-Compiled Region"). An operation counts when it runs
+inside one iteration of the decoding loop (from one progress report to the next: the first
+iteration and what a generation does once, such as the prefill, are left out) and no compiled
+region and no other aten operation encloses it (an operation called by another is the caller's
+work).
 """
 
 from __future__ import annotations

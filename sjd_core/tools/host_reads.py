@@ -76,7 +76,7 @@ class HostReads(TorchFunctionMode):
 
     def _tagged_from_numpy(self, array):
         tensor = self._from_numpy(array)
-        if not _inside_one_path():
+        if not _inside_host_to_device():
             self._mark_host(tensor)
         return tensor
 
@@ -88,7 +88,7 @@ class HostReads(TorchFunctionMode):
         if name in self.FROM_HOST_DATA:
             return self._from_host_data(func, name, args, kwargs)
         inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if self._mixes_host_and_device(inputs) and not _inside_one_path():
+        if self._mixes_host_and_device(inputs) and not _inside_host_to_device():
             self.blocking_copies += 1
         if self._reads(name, args):
             result = self._timed(func, args, kwargs)
@@ -126,7 +126,7 @@ class HostReads(TorchFunctionMode):
             non_blocking = kwargs.get("non_blocking", False)
         from_host = isinstance(source, torch.Tensor) and self._is_host(source)
         if from_host and to_host is False and not (non_blocking and source.is_pinned()) \
-                and not _inside_one_path():
+                and not _inside_host_to_device():
             self.blocking_copies += 1
         # by default every move to the CPU reads (as ``cpu`` always has); a copy_ reads only
         # from the device
@@ -154,11 +154,11 @@ class HostReads(TorchFunctionMode):
             to_host = host_data
         if to_host is None:
             to_host = host_data
-        if host_data and not to_host and not _inside_one_path():
+        if host_data and not to_host and not _inside_host_to_device():
             self.blocking_copies += 1
         result = func(*args, **kwargs)
         if self.cpu_is_device:
-            result = self._on_side(result, data, to_host and not _inside_one_path())
+            result = self._on_side(result, data, to_host and not _inside_host_to_device())
         return result
 
     def _mixes_host_and_device(self, inputs: list[torch.Tensor]) -> bool:
@@ -241,7 +241,7 @@ class HostReads(TorchFunctionMode):
             self._mark_host(result)
 
 
-def _inside_one_path() -> bool:
+def _inside_host_to_device() -> bool:
     """Whether the caller runs inside :func:`sjd_core.transfer.host_to_device` or
     :func:`~sjd_core.transfer.pack`."""
     frame = sys._getframe(1)

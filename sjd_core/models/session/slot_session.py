@@ -59,10 +59,11 @@ class Fed:
     rows; where they apply, ``starting`` (R,), rows whose node 0 is the slot -1 token, and
     ``expected_kept`` (R,), tokens the last keep must have kept; with row ends,
     ``token_node``, ``real``, ``row_end`` and ``outputs`` of the layout (its ``visible``
-    travels as mask values, see ``SlotSession._mask_block``).
+    travels as mask values, see ``SlotSession._visible_block``).
     """
 
     nodes: int
+    tokens: int  # tokens per row
     path_tokens: int  # the most tokens a row can keep: a path, one node per depth
     moved: slice | None  # the kept columns that may have to move (None: none ever moves)
     one_image: bool  # rows in step that keep the same nodes: one image (and its uncond row)
@@ -72,11 +73,6 @@ class Fed:
         """The layout's array ``name``, None where this forward has none."""
         return self.layout.part(name)
 
-    @property
-    def tokens(self) -> int:
-        """Tokens per row: the width of the packed positions (R, tokens), which come first."""
-        return self.layout.parts[0][1][1]
-
 
 def fed_places(layout: torch.Tensor, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions and the cache columns (rows, tokens) of the fed tokens, at the front of a
@@ -85,7 +81,7 @@ def fed_places(layout: torch.Tensor, rows: int, tokens: int) -> tuple[torch.Tens
     return positions, columns
 
 
-_MASK_BLOCKS = 128  # fed tokens' mask blocks a session keeps (see SlotSession._mask_block)
+_VISIBLE_BLOCKS = 128  # row-end forwards' mask blocks a session keeps (see _visible_block)
 
 
 def _without_grad(method: Callable) -> Callable:
@@ -138,11 +134,12 @@ class SlotSession(DecodingSession):
         self._held: np.ndarray | None = None  # columns each row held before the last forward
         self._kept: torch.Tensor | None = None  # tokens each row kept at the last keep
         self._trees: list[tuple] = []  # (weakref to ancestors, its version, (depth, host, block))
-        self._mask_blocks: dict[tuple, torch.Tensor] = {}  # see _mask_block
+        self._visible_blocks: dict[tuple, torch.Tensor] = {}  # see _visible_block
         self._expected: list[int] | None = None  # committed counts the next advance must give
         self._in_step = False  # whether the next advance may skip the bookkeeping (see advance)
         self._one_node = np.ones((1, 1), dtype=bool)
-        self._one_block = self._mask_block(self._one_node[None])  # one token sees itself
+        # the mask block of a forward of one token per row: it sees itself
+        self._one_block = self.mask.values(torch.ones((1, 1, 1), dtype=torch.bool, device=self.device))
         self._network = self._network_step  # the network call of forward and advance
         self._first_column: int | None = None  # where a slice write starts (see _attention)
         self._keep_rows()
@@ -183,7 +180,7 @@ class SlotSession(DecodingSession):
         per fed shape: what the fed tokens see of each other (``block``, mask values (R or 1,
         tokens, tokens)) written into ``mask`` at their columns, :meth:`_hidden_states`, then the
         head. ``layout``: the forward's packed layout (:class:`Fed`), of which the network
-        reads the positions and columns; ``mask`` None (nothing written): see ``_attention``.
+        reads the positions and columns; ``mask`` None (no block): see ``_attention``.
 
         Every call takes the same four arguments: torch counts the graphs of this one function
         against its limit per function (``recompile_limit``), and calls that differ in their
@@ -249,12 +246,12 @@ class SlotSession(DecodingSession):
                               slice(0, path_tokens) if plan.token_node is not None else moved)
         self._check_continuation(slots, fed)
         inputs = self._inputs(to_device(codes, self.device), fed)
-        block = tree_block if plan.visible is None else self._mask_block(plan.visible)
+        block = tree_block if plan.visible is None else self._visible_block(plan.visible)
         if mark is not None:
             mark()
         longest = int(plan.lengths.max())
         mask = self._attention(plan.tokens, longest, plan.lengths.min() == longest)
-        logits = self._network(inputs, fed.layout.flat, mask, block)
+        logits = self._network(inputs, fed.layout.flat, mask, None if mask is None else block)
         outputs = fed.part("outputs")
         if outputs is not None:  # the codes' logits, not the row ends'
             logits = logits.gather(1, outputs[..., None].expand(-1, -1, logits.shape[-1]))
@@ -308,7 +305,7 @@ class SlotSession(DecodingSession):
             host = np.ones((1, 1), dtype=bool)
         else:
             host = ancestors.to("cpu", torch.bool).numpy()
-        block = self._mask_block(host[None])
+        block = self.mask.values(host_to_device({"tree": host}, self.device)["tree"])[None]
         place = host.cumsum(1) - 1  # the place of each node on the path to each node
         elsewhere = place[host & (place != np.arange(host.shape[0]))]
         moved = slice(int(elsewhere.min()), int(elsewhere.max()) + 1) if elsewhere.size else None
@@ -317,18 +314,18 @@ class SlotSession(DecodingSession):
         self._trees.append((weakref.ref(ancestors), version, shape))
         return shape
 
-    def _mask_block(self, allowed: np.ndarray) -> torch.Tensor:
-        """What each fed token sees of the others (``allowed``, (R or 1, tokens, tokens) host
-        booleans) as the mask's values on the device, made once per distinct pattern (the last
-        ``_MASK_BLOCKS`` are kept): a tree's block, and the blocks of forwards that feed row
-        ends, of which a tree has at most as many as a grid row has codes."""
-        key = (allowed.shape, allowed.tobytes())
-        block = self._mask_blocks.pop(key, None)
+    def _visible_block(self, visible: np.ndarray) -> torch.Tensor:
+        """The mask values of what each token of a forward that feeds row ends sees of the
+        others (``visible``, (R, tokens, tokens) host booleans), made on the device once per
+        distinct pattern: a tree's nodes end grid rows in at most as many ways as a grid row
+        has codes, so most forwards find theirs made (the last ``_VISIBLE_BLOCKS`` are kept)."""
+        key = (visible.shape, visible.tobytes())
+        block = self._visible_blocks.pop(key, None)
         if block is None:
-            block = self.mask.values(host_to_device({"allowed": allowed}, self.device)["allowed"])
-        self._mask_blocks[key] = block  # the newest last
-        if len(self._mask_blocks) > _MASK_BLOCKS:
-            del self._mask_blocks[next(iter(self._mask_blocks))]
+            block = self.mask.values(host_to_device({"visible": visible}, self.device)["visible"])
+        self._visible_blocks[key] = block  # the newest last
+        if len(self._visible_blocks) > _VISIBLE_BLOCKS:
+            del self._visible_blocks[next(iter(self._visible_blocks))]
         return block
 
     def _reserve(self, plan: FedLayout) -> None:
@@ -354,7 +351,8 @@ class SlotSession(DecodingSession):
             arrays.update(token_node=plan.token_node, real=plan.real, row_end=plan.row_end,
                           outputs=plan.outputs)
         one_image = self.batch_size == 1 and bool(plan.lengths.min() == plan.lengths.max())
-        return Fed(plan.slots.shape[1], path_tokens, moved, one_image, pack(arrays, self.device))
+        return Fed(plan.slots.shape[1], plan.tokens, path_tokens, moved, one_image,
+                   pack(arrays, self.device))
 
     def _check_continuation(self, slots: torch.Tensor, fed: Fed) -> None:
         """Under the tests' device checks (:mod:`sjd_core.checks`), fail when the slots or
@@ -420,7 +418,7 @@ class SlotSession(DecodingSession):
             # (a captured one into its graph's own copy of the mask)
             written = mask is not None and not isinstance(self._network, CapturedNetwork)
             self.mask.open_column(int(held[0]), open_in_first_query=written)
-        logits = self._network(inputs, layout.flat, mask, self._one_block)
+        logits = self._network(inputs, layout.flat, mask, None if mask is None else self._one_block)
         if mark is not None:
             mark()
         self._held, self._kept = held, self._kept_one
